@@ -1,0 +1,3 @@
+"""raychat: pretrain nanochat-style GPT models on a Ray cluster."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,47 @@
+"""Things every raychat module needs: where files live, and how a user-facing error looks.
+
+A `RaychatError` is a mistake the user can fix (bad flag, bad corpus, bad checkpoint). Entry points
+print it as one line naming the file or flag and the fix, and exit non-zero; anything else is a bug
+and keeps its traceback.
+"""
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+class RaychatError(Exception):
+    """An error the user can fix; its message is one line that says what and how."""
+
+
+def raychat_home() -> Path:
+    """Root for data, tokenizer and runs: $RAYCHAT_HOME, else ~/.cache/raychat."""
+    home = os.environ.get("RAYCHAT_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "raychat"
+
+
+def default_data_dir() -> Path:
+    return raychat_home() / "data"
+
+
+def default_tokenizer_dir() -> Path:
+    return raychat_home() / "tokenizer"
+
+
+def default_storage_path() -> Path:
+    return raychat_home() / "runs"
+
+
+def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
+    """Run a command's main(); turn RaychatError into one stderr line and exit code 2."""
+    try:
+        code = main(argv)
+    except RaychatError as e:
+        message = " ".join(str(e).split())  # one line, whatever the message was built from
+        print(f"raychat: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("raychat: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+    sys.exit(code or 0)

@@ -1,0 +1,175 @@
+"""The one configuration of a raychat run, and the command line built from it.
+
+Every flag of `python -m raychat.train` (and of `raychat.plan`, `tune.sweep`) is a field of
+`TrainConfig`; argparse is generated from the fields so names, defaults and help never drift apart.
+Flag names and defaults follow nanochat's `scripts/base_train.py` where nanochat has the flag.
+Precedence: dataclass default < `--preset` < flags given on the command line.
+"""
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from raychat.common import RaychatError
+
+
+def _flag(default: Any, help: str, group: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, "group": group, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # --- model ---
+    depth: int = _flag(20, "number of transformer layers; the one dial that sets model size and, "
+                       "through the scaling rules, horizon, batch size, learning rates", "model")
+    aspect_ratio: int = _flag(64, "model_dim = depth * aspect_ratio (rounded up to a multiple of head_dim)", "model")
+    head_dim: int = _flag(128, "attention head dimension; n_head = model_dim // head_dim", "model")
+    max_seq_len: int = _flag(2048, "context length T in tokens", "model")
+    window_pattern: str = _flag("SSSL", "sliding-window pattern tiled over layers: L = full context, "
+                                "S = short window (T/4); the last layer is always L", "model")
+    # --- horizon (first one set wins) ---
+    num_iterations: int = _flag(-1, "explicit number of optimizer steps (-1 = use the next rule)", "horizon")
+    target_flops: float = _flag(-1.0, "train until this many FLOPs (-1 = use the next rule)", "horizon")
+    target_param_data_ratio: float = _flag(12.0, "train on ratio x scaling params tokens (Chinchilla ~20)",
+                                           "horizon")
+    # --- optimization ---
+    device_batch_size: int = _flag(32, "rows of T tokens per forward pass per worker (lower it if you run "
+                                   "out of memory; the global batch does not change)", "optimization")
+    total_batch_size: int = _flag(-1, "tokens per optimizer step across all workers (-1 = auto from the "
+                                  "scaling rule)", "optimization")
+    embedding_lr: float = _flag(0.3, "AdamW learning rate of the token and value embeddings", "optimization")
+    unembedding_lr: float = _flag(0.008, "AdamW learning rate of lm_head", "optimization")
+    matrix_lr: float = _flag(0.02, "Muon learning rate of the transformer matrices", "optimization")
+    scalar_lr: float = _flag(0.5, "AdamW learning rate of the per-layer scalars", "optimization")
+    weight_decay: float = _flag(0.28, "Muon cautious weight decay at d12 (scaled with batch and horizon)",
+                                "optimization")
+    warmup_steps: int = _flag(40, "linear learning-rate warmup steps", "optimization")
+    warmdown_ratio: float = _flag(0.65, "fraction of steps spent in the final linear warmdown", "optimization")
+    final_lr_frac: float = _flag(0.05, "learning rate at the end, as a fraction of the peak", "optimization")
+    seed: int = _flag(42, "seed for weight init and the optional corpus shuffle", "optimization")
+    compile: str = _flag("auto", "torch.compile the model: auto (on for CUDA, off on CPU), on, off", "optimization",
+                         choices=("auto", "on", "off"))
+    # --- evaluation and output ---
+    eval_every: int = _flag(250, "evaluate validation bits-per-byte every N steps (-1 = only at the end)",
+                            "evaluation")
+    eval_tokens: int = _flag(80 * 524288, "validation tokens per evaluation", "evaluation")
+    sample_every: int = _flag(2000, "print greedy samples every N steps (-1 = only at the end)", "evaluation")
+    save_every: int = _flag(-1, "save a checkpoint every N steps (-1 = only at the end)", "evaluation")
+    run: str = _flag("dummy", "wandb run name ('dummy' disables wandb)", "evaluation")
+    model_tag: str = _flag("", "name of the model in checkpoints and the default run name (default d<depth>)",
+                           "evaluation")
+    resume_from_step: int = _flag(-1, "resume the run from its checkpoint at this step (-1 = latest, if any)",
+                                  "evaluation")
+    # --- data ---
+    data_dir: str = _flag("", "corpus directory of shard_*.parquet (default $RAYCHAT_HOME/data)", "data")
+    tokenizer_dir: str = _flag("", "tokenizer directory (default $RAYCHAT_HOME/tokenizer)", "data")
+    vocab_size: int = _flag(32768, "vocabulary size when a tokenizer has to be trained first", "data")
+    # --- Ray ---
+    num_workers: str = _flag("1", "training workers: N, or MIN:MAX for an elastic run that continues on "
+                             "fewer workers when nodes are lost", "ray")
+    gpus_per_worker: float = _flag(-1.0, "GPUs per worker (-1 = 1 if the cluster has GPUs, else 0)", "ray")
+    cpus_per_worker: float = _flag(-1.0, "CPUs per worker (-1 = auto)", "ray")
+    max_failures: int = _flag(3, "worker-group restarts Ray attempts after failures (-1 = unlimited)", "ray")
+    storage_path: str = _flag("", "where runs and checkpoints live: a local path or a URI such as "
+                              "s3://bucket/runs (default $RAYCHAT_HOME/runs)", "ray")
+    run_name: str = _flag("", "run directory under storage-path; re-running a name resumes it "
+                          "(default: the model tag)", "ray")
+    keep_checkpoints: int = _flag(3, "how many recent checkpoints to keep", "ray")
+    preset: str = _flag("", "start from a named preset, then apply the other flags: 'cpu' trains a "
+                        "small model in a few minutes on a laptop CPU", "ray", choices=("", "cpu"))
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Reject impossible values with the flag's name and the fix."""
+        positive = ["depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "vocab_size"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise RaychatError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
+            raise RaychatError(f"--window-pattern must be letters S and L (e.g. SSSL or L), "
+                               f"got {self.window_pattern!r}")
+        if self.num_iterations <= 0 and self.target_flops <= 0 and self.target_param_data_ratio <= 0:
+            raise RaychatError("no training horizon: set --num-iterations, --target-flops or "
+                               "--target-param-data-ratio to a positive value")
+        if self.total_batch_size != -1 and self.total_batch_size < 1:
+            raise RaychatError(f"--total-batch-size must be positive or -1 (auto), got {self.total_batch_size}")
+        if not 0 <= self.warmdown_ratio <= 1:
+            raise RaychatError(f"--warmdown-ratio must be within [0, 1], got {self.warmdown_ratio}")
+        self.worker_range()  # raises on a malformed --num-workers
+
+    def worker_range(self) -> tuple[int, int]:
+        """(min, max) workers from --num-workers 'N' or 'MIN:MAX'."""
+        text = str(self.num_workers).strip()
+        try:
+            parts = [int(p) for p in text.split(":")]
+        except ValueError:
+            parts = []
+        if len(parts) == 1:
+            parts = parts * 2
+        if len(parts) != 2 or parts[0] < 1 or parts[1] < parts[0]:
+            raise RaychatError(f"--num-workers must be N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+        return parts[0], parts[1]
+
+    @property
+    def tag(self) -> str:
+        return self.model_tag or f"d{self.depth}"
+
+    @property
+    def name(self) -> str:
+        return self.run_name or self.tag
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+# Presets: a named set of flag values applied before the user's own flags.
+PRESETS: dict[str, dict[str, Any]] = {
+    # A model that learns visibly within minutes on 2 CPU cores (DESIGN, reference configuration A).
+    "cpu": dict(
+        depth=4, head_dim=64, max_seq_len=512, window_pattern="L", device_batch_size=8,
+        total_batch_size=4096, num_iterations=200, warmup_steps=20, eval_every=50,
+        eval_tokens=16 * 4096, sample_every=200, save_every=50, vocab_size=8192,
+    ),
+}
+
+GROUP_TITLES = {
+    "model": "model shape",
+    "horizon": "training horizon (the first rule that is set wins)",
+    "optimization": "optimization",
+    "evaluation": "evaluation, sampling, checkpoints, logging",
+    "data": "data and tokenizer",
+    "ray": "Ray cluster and run storage",
+}
+
+
+def add_config_flags(parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
+    """Add one --flag per TrainConfig field (or just those in `only`), defaults suppressed so that
+    `config_from_args` can tell which flags the user actually gave."""
+    groups = {key: parser.add_argument_group(title) for key, title in GROUP_TITLES.items()}
+    for f in dataclasses.fields(TrainConfig):
+        if only is not None and f.name not in only:
+            continue
+        default = f.default
+        kwargs: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS,
+                                      help=f"{f.metadata['help']} (default: {default!r})")
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        kwargs["type"] = type(default)
+        kwargs["metavar"] = {int: "N", float: "X", str: "TEXT"}[type(default)]
+        groups[f.metadata["group"]].add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """TrainConfig from parsed flags: defaults, then the preset, then the flags given."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    values: dict[str, Any] = dict(PRESETS.get(given.get("preset", ""), {}))
+    values.update(given)
+    return TrainConfig(**values)
