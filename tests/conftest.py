@@ -21,14 +21,18 @@ def raychat_home(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_session(raychat_home):
-    """One local Ray instance (small, dashboard on 127.0.0.1) shared by every integration test."""
+    """One local Ray instance (small; no dashboard, so parallel test runs never fight over its port) shared by every integration test."""
     import ray
 
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Logical CPUs: enough for 2 train workers, Ray Data tasks and a few Tune trials; the machine
     # has 2 cores, Ray only does the bookkeeping.
-    ray.init(num_cpus=8, include_dashboard=True, dashboard_host="127.0.0.1",
+    ray.init(num_cpus=8, include_dashboard=False,
              log_to_driver=True, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+# Tests never reach the internet: corpus preparation falls back to the offline sample corpus.
+os.environ.setdefault("RAYCHAT_OFFLINE", "1")
