@@ -1,9 +1,31 @@
-"""Shared fixtures: an isolated RAYCHAT_HOME per test session and one local Ray instance for all
-integration tests (starting Ray costs seconds; tests share it and it is shut down at the end)."""
+"""Shared fixtures: an isolated RAYCHAT_HOME per test session and one local Ray cluster for all
+integration tests (starting Ray costs seconds; tests share it and it is stopped at the end).
+
+The cluster is a real `ray start --head` with its dashboard on 127.0.0.1 (so `ray job submit` can be
+tested against it), on free ports and its own temp dir, so parallel test runs never collide and
+teardown stops exactly the processes this session started.
+"""
 
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
+
+# Tests never reach the internet: corpus preparation falls back to the offline sample corpus.
+os.environ.setdefault("RAYCHAT_OFFLINE", "1")
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("WANDB_MODE", "offline")
+# `ray start --head` turns on token authentication (token in ~/.ray/auth_token); every client of the
+# session cluster (this process, driver subprocesses, `ray job submit`) must present it.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -19,20 +41,109 @@ def raychat_home(tmp_path_factory):
         os.environ["RAYCHAT_HOME"] = old
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_processes_under(marker: str) -> None:
+    """Stop every process whose command line mentions `marker` (our cluster's temp dir)."""
+    import psutil
+
+    procs = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid != os.getpid() and marker in " ".join(p.info["cmdline"] or []):
+                procs.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+class RayCluster:
+    """Handle to the session's cluster: addresses for drivers, job submission and cleanup."""
+
+    def __init__(self, gcs_address: str, dashboard_url: str, temp_dir: str):
+        self.gcs_address = gcs_address
+        self.dashboard_url = dashboard_url
+        self.temp_dir = temp_dir
+
+    def driver_env(self, **extra: str) -> dict[str, str]:
+        """Environment for a `python -m raychat...` subprocess that joins this cluster."""
+        env = dict(os.environ)
+        env["RAY_ADDRESS"] = self.gcs_address
+        env.update(extra)
+        return env
+
+
 @pytest.fixture(scope="session")
 def ray_session(raychat_home):
-    """One local Ray instance (small; no dashboard, so parallel test runs never fight over its port) shared by every integration test."""
+    """One local Ray cluster, shared by every integration test; the test process is connected."""
     import ray
 
-    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    temp_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    port, dashboard_port = free_port(), free_port()
+    ray_bin = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
     # Logical CPUs: enough for 2 train workers, Ray Data tasks and a few Tune trials; the machine
     # has 2 cores, Ray only does the bookkeeping.
-    ray.init(num_cpus=8, include_dashboard=False,
-             log_to_driver=True, configure_logging=False)
-    yield ray
-    ray.shutdown()
+    subprocess.run(
+        [ray_bin, "start", "--head", f"--port={port}", "--num-cpus=8", "--include-dashboard=true",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}",
+         "--disable-usage-stats", f"--ray-client-server-port={free_port()}",
+         f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"],
+        check=True, capture_output=True, timeout=120,
+    )
+    cluster = RayCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", temp_dir)
+    try:
+        ray.init(address=cluster.gcs_address, log_to_driver=True)
+        yield cluster
+    finally:
+        ray.shutdown()
+        _stop_processes_under(temp_dir)
+        time.sleep(0.5)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-# Tests never reach the internet: corpus preparation falls back to the offline sample corpus.
-os.environ.setdefault("RAYCHAT_OFFLINE", "1")
+def _stdlib_docs(min_chars: int = 120) -> list[str]:
+    """Real English text that every Python install has: docstrings of a fixed set of modules."""
+    import importlib
+    import inspect
+
+    docs, seen = [], set()
+    for name in ["argparse", "collections", "json", "pathlib", "re", "textwrap", "functools", "itertools",
+                 "typing", "datetime", "decimal", "fractions", "statistics", "string", "difflib", "email",
+                 "http.client", "logging", "unittest", "subprocess", "shutil", "tarfile", "zipfile", "csv"]:
+        module = importlib.import_module(name)
+        for _, obj in sorted(vars(module).items()):
+            doc = inspect.getdoc(obj) if (inspect.isclass(obj) or inspect.isfunction(obj)) else None
+            if doc and len(doc) >= min_chars and doc not in seen:
+                seen.add(doc)
+                docs.append(doc)
+    return docs
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory):
+    """A small real-text corpus (shards of 40 docs = one row group each, last shard val) and a
+    512-token tokenizer trained on it: what the trainer integration tests and sweeps run on."""
+    from raychat.corpus import CorpusWriter
+    from raychat.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny")
+    docs = _stdlib_docs()
+    with CorpusWriter(root / "data", docs_per_shard=40) as writer:
+        writer.add_train(docs[:-40])
+        writer.add_val(docs[-40:])
+    train_tokenizer(root / "data", root / "tokenizer", vocab_size=512, log=lambda *_: None)
+    return root / "data", root / "tokenizer"

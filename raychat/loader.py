@@ -1,0 +1,293 @@
+"""The data feed of one training rank: Ray Data reads and tokenizes, the rank packs rows.
+
+Each rank reads only its own units (see raychat.cursor for who reads what). For every read (a row
+group, or chosen rows of one on resume) a Ray Data task on the cluster's CPU pool reads the parquet
+row group and tokenizes it, prepending BOS to every document; the tokenizer is loaded from its
+directory once per worker process. Blocks come back in order (`preserve_order`), a background
+thread turns them into per-document token arrays and keeps a few reads queued ahead, and the rank's
+best-fit packer (raychat.packer) fills rows of T+1 tokens only when the step loop asks, so the
+cursor is exact for the rows returned so far. Tokenizing is the expensive part and runs in
+parallel, off the step loop; packing is a bisect and a copy per document.
+
+Validation reads the val split through the same path: its documents are dealt round-robin to the
+ranks (a small split still feeds every rank), packed the same way, from the start on every call.
+"""
+
+import contextlib
+import queue
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from raychat.common import RaychatError
+from raychat.corpus import CorpusIndex, Unit, read_unit_texts
+from raychat.cursor import (
+    DocFeed,
+    DocId,
+    RankSequence,
+    Source,
+    UnitSchedule,
+    merge_cursor,
+    rank_cursor,
+)
+from raychat.packer import BestFitPacker
+from raychat.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TrainLoader", "merge_cursor", "val_loader"]
+
+READS_PER_DATASET = 64    # reads planned per Ray Data dataset; the stream chains datasets
+READS_AHEAD = 4           # tokenized reads queued in this process ahead of the packer
+WAIT_WARNING_S = 120      # say so when the packer has waited this long for a read
+
+
+def _read_and_tokenize(batch: dict[str, np.ndarray], tokenizer_dir: str) -> pa.Table:
+    """Ray Data task: read the rows of each planned read and tokenize them (BOS first)."""
+    tokenizer = Tokenizer.load(tokenizer_dir)   # cached per worker process by raychat.tokenizer
+    keys, lengths, tokens = [], [0], []
+    for i, k in enumerate(batch["k"]):
+        unit = Unit(int(batch["index"][i]), int(batch["shard"][i]), str(batch["path"][i]),
+                    int(batch["row_group"][i]), int(batch["num_rows"][i]))
+        rows = None if batch["whole"][i] else [int(r) for r in batch["rows"][i]]
+        for doc in tokenizer.encode_batch(read_unit_texts(unit, rows), prepend_bos=True, threads=1):
+            keys.append(int(k))
+            lengths.append(len(doc))
+            tokens.append(np.asarray(doc, dtype=np.int32))
+    offsets = np.cumsum(lengths, dtype=np.int32)
+    flat = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32)
+    return pa.table({"k": pa.array(keys, type=pa.int64()),
+                     "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))})
+
+
+def _inputs_and_targets(rows: np.ndarray) -> tuple["torch.Tensor", "torch.Tensor"]:
+    # torch is imported here, not at the top: Ray Data's worker processes import this module to run
+    # _read_and_tokenize, and importing torch there would add seconds to every worker's start.
+    import torch
+
+    return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+
+
+class _Stop(Exception):
+    """Raised inside the reader thread when close() asked it to stop."""
+
+
+class SourceReader:
+    """Streams the tokenized documents of a sequence of reads, in order, ahead of the consumer.
+
+    Yields (read number k, [token arrays of some of its documents]); a background thread runs one
+    Ray Data dataset per READS_PER_DATASET reads, one after the other.
+    """
+
+    def __init__(self, source: Callable[[int], Source], units: list[Unit], tokenizer_dir: str,
+                 num_cpus: float = 1.0):
+        self._source = source
+        self._units = units
+        self._tokenizer_dir = str(tokenizer_dir)
+        self._num_cpus = num_cpus
+        self._queue: queue.Queue = queue.Queue(maxsize=READS_AHEAD)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raychat-loader", daemon=True)
+        self._thread.start()
+
+    def _dataset(self, first: int):
+        import ray.data
+
+        items = []
+        for k in range(first, first + READS_PER_DATASET):
+            s = self._source(k)
+            unit = self._units[s.unit]
+            whole = s.rows == tuple(range(unit.num_rows))
+            items.append({"k": k, **asdict(unit), "whole": whole, "rows": [] if whole else list(s.rows)})
+        ds = ray.data.from_items(items, override_num_blocks=len(items))
+        context = ds.context   # this dataset's own copy: the process-wide settings stay untouched
+        context.execution_options.preserve_order = True
+        context.enable_progress_bars = False
+        context.print_on_execution_start = False
+        return ds.map_batches(_read_and_tokenize, fn_kwargs={"tokenizer_dir": self._tokenizer_dir},
+                              batch_size=1, num_cpus=self._num_cpus, batch_format="numpy")
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        raise _Stop
+
+    def _run(self) -> None:
+        try:
+            first = 0
+            while True:
+                batches = iter(self._dataset(first).iter_batches(batch_size=None, batch_format="pyarrow",
+                                                                 prefetch_batches=2))
+                try:
+                    for table in batches:
+                        for k, docs in _split_by_read(table):
+                            self._put((k, docs))
+                finally:
+                    batches.close()   # stops the dataset's executor now, not when garbage collected
+                first += READS_PER_DATASET
+        except _Stop:
+            pass
+        except BaseException as e:  # handed to the consumer, which raises it in its own thread
+            with contextlib.suppress(_Stop):
+                self._put(e)
+
+    def __iter__(self) -> Iterator[tuple[int, list[np.ndarray]]]:
+        return self
+
+    def __next__(self) -> tuple[int, list[np.ndarray]]:
+        waited = 0
+        while True:
+            try:
+                item = self._queue.get(timeout=WAIT_WARNING_S)
+                break
+            except queue.Empty:
+                waited += WAIT_WARNING_S
+                print(f"raychat loader: waited {waited}s for Ray Data to read and tokenize; does the cluster "
+                      "have free CPUs for its tasks?", file=sys.stderr, flush=True)
+        if isinstance(item, BaseException):
+            raise RaychatError(f"reading the corpus failed: {' '.join(str(item).split())[:500]}") from item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _split_by_read(table: pa.Table) -> Iterator[tuple[int, list[np.ndarray]]]:
+    """(k, one standalone array per document) for each run of equal k in a block.
+
+    Documents are copied out of the block: a long document can wait in the packer's buffer for a
+    long time, and a view would pin its whole block in memory meanwhile."""
+    keys = table.column("k").to_numpy()
+    tokens = table.column("tokens").combine_chunks()
+    values = tokens.values.to_numpy()
+    offsets = tokens.offsets.to_numpy()
+    start = 0
+    while start < len(keys):
+        stop = start + int(np.searchsorted(keys[start:], keys[start], side="right"))
+        yield int(keys[start]), [values[offsets[i]:offsets[i + 1]].copy() for i in range(start, stop)]
+        start = stop
+
+
+class TrainLoader:
+    """Rows of T+1 BOS-aligned best-fit packed tokens for one rank, resumable from a cursor."""
+
+    def __init__(self, index: CorpusIndex, tokenizer_dir: str, seq_len: int, rank: int, world_size: int,
+                 cursor: dict | None = None, shuffle_seed: int | None = None, buffer_size: int = 1000,
+                 num_cpus: float = 1.0, record_consumed: bool = True):
+        self.index = index
+        self.seq_len = seq_len
+        Tokenizer.load(tokenizer_dir)   # a missing tokenizer fails here, in one line, not inside Ray Data
+        schedule = UnitSchedule(index, shuffle_seed)
+        self._corpus_key = {"num_units": schedule.num_units, "shuffle_seed": shuffle_seed}
+        if cursor is not None:
+            _check_cursor_matches(cursor, self._corpus_key, index)
+        self._sequence = RankSequence(rank_cursor(cursor, rank, world_size, schedule), schedule)
+        self._reader = SourceReader(self._sequence.source, index.train, tokenizer_dir, num_cpus)
+        self._feed = DocFeed(self._sequence, self._reader)
+        self._packer = BestFitPacker(seq_len + 1, buffer_size)
+        # Consumed ids for consumed_doc_ids(), 12 bytes each (a long run that never asks for them
+        # should pass record_consumed=False).
+        self._record_consumed = record_consumed
+        self._consumed: list[np.ndarray] = []
+
+    def next_rows(self, n: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """n rows as (inputs, targets), int64 [n, seq_len] each: x = row[:-1], y = row[1:]."""
+        rows = np.empty((n, self.seq_len + 1), dtype=np.int64)
+        consumed = self._packer.fill(rows, self._feed)
+        if self._record_consumed:
+            self._consumed.append(np.array(consumed, dtype=np.int32).reshape(-1, 3))
+        return _inputs_and_targets(rows)
+
+    def state(self) -> dict:
+        """This rank's part of the cursor as of the rows returned so far (JSON-serialisable)."""
+        return {**self._feed.cursor(self._packer.buffered_ids()).to_json(), **self._corpus_key}
+
+    def consumed_doc_ids(self) -> list[DocId]:
+        """(epoch, unit, row) of the documents placed into rows returned since the last call."""
+        consumed, self._consumed = self._consumed, []
+        return [tuple(doc) for chunk in consumed for doc in chunk.tolist()]
+
+    def cropped_fraction(self) -> float:
+        """Share of the consumed documents' tokens dropped by crops so far."""
+        return self._packer.cropped_fraction()
+
+    def position(self) -> tuple[int, int, int]:
+        """(epoch, shard, row group) of the newest document read, for the log line."""
+        if self._feed.last_taken is not None:
+            epoch, unit_index = self._feed.last_taken[:2]
+        else:
+            first = self._sequence.source(0)
+            epoch, unit_index = first.epoch, first.unit
+        unit = self.index.train[unit_index]
+        return epoch, unit.shard, unit.row_group
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> "TrainLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_cursor_matches(cursor: dict, corpus_key: dict, index: CorpusIndex) -> None:
+    saved_units, units = cursor.get("num_units"), corpus_key["num_units"]
+    if saved_units != units:
+        raise RaychatError(f"the checkpoint's data cursor was saved for a corpus of {saved_units} train "
+                           f"row groups, but {index.data_dir} has {units}: resume with the run's --data-dir")
+    saved_seed, seed = cursor.get("shuffle_seed"), corpus_key["shuffle_seed"]
+    if saved_seed != seed:
+        raise RaychatError(f"the checkpoint's data cursor was saved with shuffle seed {saved_seed}, this run "
+                           f"uses {seed}: resume with the same seed")
+
+
+class _ValSequence:
+    """This rank's share of the val split, endlessly: pass p reads every val unit, rows dealt
+    round-robin over ranks by their position in the split."""
+
+    def __init__(self, units: list[Unit], rank: int, world_size: int):
+        self.units = units
+        self.rows: list[tuple[int, ...]] = []
+        start = 0
+        for unit in units:
+            first = (rank - start) % world_size
+            self.rows.append(tuple(range(first, unit.num_rows, world_size)))
+            start += unit.num_rows
+        if not any(self.rows):
+            raise RaychatError(f"the validation split has {start} documents, fewer than the {world_size} "
+                               "workers: use a larger last shard or fewer --num-workers")
+
+    def source(self, k: int) -> Source:
+        passes, i = divmod(k, len(self.units))
+        return Source(passes + 1, i, self.rows[i])
+
+
+def val_loader(index: CorpusIndex, tokenizer_dir: str, seq_len: int, rows: int, rank: int,
+               world_size: int, buffer_size: int = 1000) -> Iterator[tuple["torch.Tensor", "torch.Tensor"]]:
+    """Endless deterministic batches of `rows` packed val rows for this rank (disjoint across ranks).
+
+    Every call starts from the beginning of the split; stop iterating when enough was evaluated."""
+    Tokenizer.load(tokenizer_dir)
+    sequence = _ValSequence(index.val, rank, world_size)
+    reader = SourceReader(sequence.source, index.val, tokenizer_dir)
+    feed = DocFeed(sequence, reader)
+    packer = BestFitPacker(seq_len + 1, buffer_size)
+    try:
+        while True:
+            batch = np.empty((rows, seq_len + 1), dtype=np.int64)
+            packer.fill(batch, feed)
+            yield _inputs_and_targets(batch)
+    finally:
+        reader.close()

@@ -1,0 +1,64 @@
+"""`python -m raychat.plan`: what a training run would do, without training.
+
+Depth drives everything through the scaling rules (raychat/scaling.py), so a flag changed here can
+move the batch size, the learning rates, the weight decay and the number of steps at once. This
+command shows the resolved numbers (the same table the trainer prints at start-up) in a second,
+with no data, no GPU and no Ray, so a run can be sized before it is launched.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from raychat.common import default_tokenizer_dir, run_cli
+from raychat.config import TrainConfig, add_config_flags, config_from_args
+from raychat.scaling import format_plan, resolve_plan
+from raychat.tokenizer import META_FILE, Tokenizer
+
+EPILOG = """\
+examples:
+  python -m raychat.plan --depth 24                 # nanochat's GPT-2-class model, all rules on auto
+  python -m raychat.plan --preset cpu               # the laptop-CPU configuration
+  python -m raychat.plan --depth 12 --total-batch-size 65536 --num-iterations 10000 --json
+  python -m raychat.plan --depth 20 --num-workers 8 # the batch layout over 8 workers
+
+The vocabulary size comes from the tokenizer in --tokenizer-dir when one is there, else from
+--vocab-size (the size `raychat.train` would train a tokenizer with).
+"""
+
+
+def plan_vocab_size(cfg: TrainConfig) -> tuple[int, str]:
+    """(vocab size, where it came from): the tokenizer in --tokenizer-dir if one is there (what
+    training would use), else --vocab-size (what training would train a tokenizer with)."""
+    tokenizer_dir = Path(cfg.tokenizer_dir).expanduser() if cfg.tokenizer_dir else default_tokenizer_dir()
+    if (tokenizer_dir / META_FILE).is_file():  # meta.json is written last: a tokenizer is (meant to be) there
+        return Tokenizer.load(tokenizer_dir).vocab_size, f"the tokenizer at {tokenizer_dir}"
+    return cfg.vocab_size, "--vocab-size, no tokenizer yet"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m raychat.plan",
+        description="Resolve a raychat training run without training: model shape and parameter counts, "
+                    "FLOPs per token, horizon, batch size and its layout over workers, learning-rate "
+                    "scale and weight decay. Takes the same flags as `python -m raychat.train`.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    vocab_size, vocab_source = plan_vocab_size(cfg)
+    # An elastic run (MIN:MAX) is planned at its largest size; the global batch does not depend on
+    # it, and every size down to 1 fits whenever the largest one does.
+    world_size = cfg.worker_range()[1]
+    plan = resolve_plan(cfg, vocab_size, world_size)
+    if args.json:
+        print(json.dumps({**plan.to_json(), "vocab_source": vocab_source}))
+    else:
+        print(f"raychat plan for {cfg.tag} (vocab size from {vocab_source})")
+        print(format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

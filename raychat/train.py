@@ -1,0 +1,229 @@
+"""`python -m raychat.train`: the driver. Prepares inputs, prints the plan, runs a TorchTrainer.
+
+Alone on a machine it starts a local Ray instance (dashboard on 127.0.0.1) and, when the data dir
+is empty, prepares a corpus and trains a tokenizer, so one command works offline on a fresh box.
+Under `ray job submit` (or with RAY_ADDRESS) it joins that cluster. Everything is checked before any
+worker starts: a bad corpus, tokenizer or storage path fails in seconds with one line, not hours in.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from raychat.checkpoint import latest_valid_checkpoint
+from raychat.common import (
+    RaychatError,
+    default_data_dir,
+    default_storage_path,
+    default_tokenizer_dir,
+    run_cli,
+)
+from raychat.config import TrainConfig, add_config_flags, config_from_args
+from raychat.corpus import prepare_default_corpus, validate_corpus
+from raychat.scaling import format_plan, resolve_plan
+from raychat.tokenizer import Tokenizer, check_vocab, train_tokenizer
+from raychat.worker import train_loop_per_worker
+
+
+@dataclass
+class RunPaths:
+    data_dir: str
+    tokenizer_dir: str
+    storage_path: str  # local path or URI
+    run_dir: str | None  # local run directory, None for remote storage
+
+    @classmethod
+    def resolve(cls, cfg: TrainConfig) -> "RunPaths":
+        storage = cfg.storage_path or str(default_storage_path())
+        local = "://" not in storage
+        if local:
+            storage = str(Path(storage).expanduser().resolve())
+        return cls(
+            data_dir=str(Path(cfg.data_dir or default_data_dir()).expanduser().resolve()),
+            tokenizer_dir=str(Path(cfg.tokenizer_dir or default_tokenizer_dir()).expanduser().resolve()),
+            storage_path=storage,
+            run_dir=str(Path(storage) / cfg.name) if local else None,
+        )
+
+
+def connect_ray(num_workers: int) -> None:
+    """Join the cluster named by RAY_ADDRESS (set by `ray job submit`), else start a local one."""
+    if ray.is_initialized():
+        return
+    # Workers are started by the cluster's raylets, not by this process: pass our settings along.
+    env = {k: v for k, v in os.environ.items() if k.startswith(("RAYCHAT_", "WANDB_"))}
+    runtime_env = {"env_vars": env} if env else None
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env=runtime_env, log_to_driver=True)
+        return
+    # Logical CPUs: one per worker plus room for Ray Data's read/tokenize tasks; threads are
+    # sized by the workers themselves.
+    cpus = max(os.cpu_count() or 1, num_workers) + 2
+    ray.init(num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
+             runtime_env=runtime_env)
+
+
+def check_storage_writable(paths: RunPaths) -> None:
+    if paths.run_dir is None:
+        return  # remote storage: Ray reports access errors when it first writes
+    try:
+        Path(paths.storage_path).mkdir(parents=True, exist_ok=True)
+        probe = Path(paths.storage_path) / f".raychat_write_test_{uuid.uuid4().hex}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise RaychatError(f"--storage-path {paths.storage_path} is not writable ({e.strerror}): "
+                           "choose a directory you can write to") from None
+
+
+def prepare_inputs(cfg: TrainConfig, paths: RunPaths, log=print) -> Tokenizer:
+    """Corpus and tokenizer ready and valid, or a one-line error before any worker starts."""
+    data_dir = Path(paths.data_dir)
+    if not any(data_dir.glob("shard_*.parquet")):
+        log(f"No corpus in {data_dir}: preparing one")
+        prepare_default_corpus(data_dir, log=log)
+    summary = validate_corpus(data_dir)
+    log(f"Corpus: {summary}")
+    tok_dir = Path(paths.tokenizer_dir)
+    if not tok_dir.exists() or not any(tok_dir.iterdir()):
+        log(f"No tokenizer in {tok_dir}: training one (vocab {cfg.vocab_size:,}) on {data_dir}")
+        t0 = time.time()
+        tokenizer = train_tokenizer(data_dir, tok_dir, vocab_size=cfg.vocab_size, log=log)
+        log(f"Tokenizer trained in {time.time() - t0:.1f}s")
+    else:
+        tokenizer = Tokenizer.load(tok_dir)
+    return tokenizer
+
+
+def check_resumable(paths: RunPaths, tokenizer: Tokenizer, log=print) -> None:
+    """If the run exists, its checkpoint must fit this tokenizer; say where we resume from."""
+    if paths.run_dir is None or not Path(paths.run_dir).exists():
+        return
+    latest = latest_valid_checkpoint(paths.run_dir)
+    if latest is None:
+        return
+    meta = json.loads((Path(latest) / "meta.json").read_text())
+    check_vocab(tokenizer, meta["vocab_size"], meta.get("tokenizer_fingerprint"), str(latest))
+    log(f"Run {paths.run_dir} exists: resuming from {latest} (step {meta['step']})")
+
+
+def build_trainer(cfg: TrainConfig, *, run_config_overrides: dict | None = None,
+                  callbacks: list | None = None) -> TorchTrainer:
+    """The TorchTrainer for one raychat run (used by the CLI and by every tune.sweep trial)."""
+    paths = RunPaths.resolve(cfg)
+    min_workers, max_workers = cfg.worker_range()
+    gpus = cfg.gpus_per_worker
+    if gpus < 0:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    cpus = cfg.cpus_per_worker if cfg.cpus_per_worker > 0 else 1.0
+    resources = {"CPU": cpus}
+    if gpus > 0:
+        resources["GPU"] = gpus
+    scaling = ScalingConfig(
+        num_workers=max_workers if min_workers == max_workers else (min_workers, max_workers),
+        use_gpu=gpus > 0,
+        resources_per_worker=resources,
+    )
+    run_kwargs = dict(
+        name=cfg.name,
+        storage_path=paths.storage_path,
+        failure_config=FailureConfig(max_failures=cfg.max_failures),
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+        callbacks=callbacks,
+    )
+    run_kwargs.update(run_config_overrides or {})
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "train_config": cfg.to_dict(),
+            "data_dir": paths.data_dir,
+            "tokenizer_dir": paths.tokenizer_dir,
+            "run_dir": paths.run_dir,
+        },
+        scaling_config=scaling,
+        run_config=RunConfig(**run_kwargs),
+    )
+
+
+def _worker_error(error: BaseException) -> RaychatError | None:
+    """The RaychatError a worker raised, if that is what ended the run."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for failure in failures.values():
+        seen = failure
+        while seen is not None:
+            if isinstance(seen, RaychatError):
+                return seen
+            seen = seen.__cause__ or getattr(seen, "cause", None)
+        text = str(failure)
+        marker = "RaychatError: "
+        if marker in text:
+            return RaychatError(text.split(marker, 1)[1].strip().splitlines()[0])
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m raychat.train",
+        description="Pretrain a nanochat-style GPT on a Ray cluster (or a local Ray instance). "
+                    "--depth sets the model; the scaling rules derive horizon, batch size, learning rates "
+                    "and weight decay from it. Prints the plan, then one line per step.",
+        epilog="Examples:\n"
+               "  python -m raychat.train --preset cpu     # small model, a few minutes on a laptop CPU\n"
+               "  python -m raychat.train --depth 12 --num-workers 8\n"
+               "  ray job submit --working-dir . -- python -m raychat.train --depth 24 \\\n"
+               "      --num-workers 8:16 --storage-path s3://bucket/runs\n"
+               "Re-running with the same --run-name resumes that run from its latest checkpoint.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_flags(parser)
+    cfg = config_from_args(parser.parse_args(argv))
+    paths = RunPaths.resolve(cfg)
+    check_storage_writable(paths)
+    tokenizer = prepare_inputs(cfg, paths)
+    min_workers, max_workers = cfg.worker_range()
+    plan = resolve_plan(cfg, tokenizer.vocab_size, world_size=max_workers)
+    if min_workers != max_workers:
+        resolve_plan(cfg, tokenizer.vocab_size, world_size=min_workers)  # every size in range must work
+    print(format_plan(plan), flush=True)
+    check_resumable(paths, tokenizer)
+
+    connect_ray(max_workers)
+    trainer = build_trainer(cfg)
+    t0 = time.time()
+    try:
+        result = trainer.fit()
+    except Exception as e:  # Ray wraps worker errors; surface a user error as its one line
+        user_error = _worker_error(e)
+        if user_error is not None:
+            raise user_error from None
+        raise
+    metrics = result.metrics or {}
+    if metrics.get("nan_step") is not None:
+        raise RaychatError(f"loss became NaN/inf at step {metrics['nan_step']}: training stopped; the last "
+                           f"good checkpoint is kept in {paths.run_dir or paths.storage_path} (lower the "
+                           "learning rates or check the data, then re-run to resume)")
+    print("Training done.", flush=True)
+    print(f"  min val bpb     : {metrics.get('min_val_bpb', float('nan')):.6f}")
+    print(f"  steps           : {metrics.get('step', 0):,}")
+    print(f"  tokens trained  : {metrics.get('total_tokens', 0):,}")
+    print(f"  training time   : {metrics.get('total_training_time', 0.0) / 60:.2f}m "
+          f"(wall {(time.time() - t0) / 60:.2f}m)")
+    if metrics.get("peak_memory_mib"):
+        print(f"  peak memory     : {metrics['peak_memory_mib']:,.0f} MiB (rank 0)")
+    if result.checkpoint is not None:
+        print(f"  checkpoint      : {result.checkpoint.path}")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

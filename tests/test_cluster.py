@@ -1,0 +1,127 @@
+"""cluster/: every launcher YAML passes the validation `ray up` runs (Ray's schema, no cloud contacted),
+installs exactly the Ray that pyproject.toml pins, keeps the dashboard local and token auth on; the
+Grafana dashboard parses and charts every raychat_ gauge."""
+
+import copy
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from raychat.metrics import GAUGES
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_YAMLS = sorted((ROOT / "cluster").glob("*.yaml"))
+RAY_PIN = re.compile(r"ray\[[a-z,]+\]==[0-9][0-9.]*")
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def ray_up_validate(config: dict) -> dict:
+    """What `ray up` does before it touches a cloud: merge the provider's defaults, then check the
+    result against ray-schema.json and Ray's own rules (commands._bootstrap_config)."""
+    prepared = prepare_config(copy.deepcopy(config))
+    validate_config(prepared)
+    return prepared
+
+
+def pyproject_ray_pin() -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = [d for d in deps if d.startswith("ray[")]
+    assert len(pins) == 1, pins
+    return pins[0]
+
+
+def all_commands(config: dict) -> list[str]:
+    keys = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+            "head_start_ray_commands", "worker_start_ray_commands")
+    commands = [c for k in keys for c in config.get(k, [])]
+    for node in config.get("available_node_types", {}).values():
+        commands += [c for k in keys for c in node.get(k, [])]
+    return commands
+
+
+def test_there_are_cluster_configs():
+    assert {p.name for p in CLUSTER_YAMLS} >= {"h100.yaml", "local.yaml"}
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+def test_passes_ray_up_validation(path):
+    prepared = ray_up_validate(load(path))
+    assert prepared["head_node_type"] in prepared["available_node_types"]
+
+
+def test_validation_catches_mistakes():
+    """The check above can fail: the same validator rejects broken copies of our config."""
+    config = load(ROOT / "cluster" / "h100.yaml")
+    misspelt = {**config, "max_worker": 4}  # unknown top-level key
+    with pytest.raises(jsonschema.ValidationError):
+        ray_up_validate(misspelt)
+    no_resources = copy.deepcopy(config)
+    del no_resources["available_node_types"]["gpu_h100x8"]["resources"]
+    with pytest.raises(jsonschema.ValidationError):
+        ray_up_validate(no_resources)
+    too_many = copy.deepcopy(config)
+    too_many["available_node_types"]["gpu_h100x8"]["min_workers"] = config["max_workers"] + 1
+    with pytest.raises(ValueError, match="max_workers"):
+        ray_up_validate(too_many)
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+def test_installs_the_pinned_ray_and_this_project(path):
+    config = load(path)
+    setup = [c for c in all_commands(config) if "pip install" in c]
+    pins = [m for c in setup for m in RAY_PIN.findall(c)]
+    assert pins, f"{path.name}: no setup command installs ray[...]==<version>"
+    assert set(pins) == {pyproject_ray_pin()}
+    version = pyproject_ray_pin().split("==")[1]
+    images = [v for k, v in config.get("docker", {}).items() if k.endswith("image")]
+    for image in images:
+        assert image.startswith(f"rayproject/ray:{version}-"), image
+    assert any("pip install" in c and "~/raychat" in c for c in setup)
+    assert config["file_mounts"]["~/raychat"] == "."
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+def test_dashboard_local_and_token_auth_on(path):
+    config = load(path)
+    starts = [c for c in all_commands(config) if "ray start" in c]
+    head = [c for c in config["head_start_ray_commands"] if "ray start" in c]
+    assert len(head) == 1 and "--head" in head[0]
+    assert "--dashboard-host=127.0.0.1" in head[0]
+    assert all("RAY_AUTH_MODE=token ray start" in c for c in starts), starts
+    # every node gets the token the laptop generated (`ray get-auth-token --generate`)
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+
+
+def test_h100_nodes():
+    config = load(ROOT / "cluster" / "h100.yaml")
+    assert config["provider"]["type"] == "aws"
+    gpu = config["available_node_types"]["gpu_h100x8"]
+    assert gpu["node_config"]["InstanceType"] == "p5.48xlarge"
+    assert gpu["resources"]["GPU"] == 8
+    head = config["available_node_types"][config["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0 and head["resources"]["CPU"] == 0
+    assert 0 <= gpu["min_workers"] <= gpu["max_workers"] <= config["max_workers"]
+
+
+def test_grafana_dashboard_charts_every_raychat_gauge():
+    dashboard = json.loads((ROOT / "cluster" / "grafana" / "raychat_dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    charted = {m for e in exprs for m in re.findall(r"ray_raychat_(\w+)", e)}
+    # Prometheus sees raychat_<name> with Ray's ray_ prefix
+    assert charted == set(GAUGES), (charted, set(GAUGES))
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["query"] == "prometheus"
+    assert all(p["datasource"] == "${datasource}" for p in dashboard["panels"])
+    for e in exprs:  # every query honours the dashboard's filters
+        assert '$SessionName' in e and '$run' in e, e

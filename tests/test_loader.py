@@ -1,0 +1,164 @@
+"""TrainLoader and val_loader on real Ray Data, real parquet shards and a real trained tokenizer.
+
+Expected rows are computed in this process without Ray: read the same row groups with pyarrow,
+encode with the same tokenizer, pack with the packer. Two loaders in one process act as ranks 0
+and 1 of a world of 2.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from raychat.common import RaychatError
+from raychat.corpus import CorpusIndex, read_unit_texts
+from raychat.corpus_sources import write_synthetic_corpus
+from raychat.cursor import UnitSchedule, expand
+from raychat.loader import TrainLoader, merge_cursor, val_loader
+from raychat.packer import BestFitPacker
+from raychat.tokenizer import Tokenizer, train_tokenizer
+
+pytestmark = [pytest.mark.ray,
+              # Ray Data warns about its own deprecated settings when it copies its context.
+              pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")]
+
+T, BUFFER = 64, 16
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """11 train units (10 of 50 documents, 1 of 20), a val shard of 80; a 1024-token vocabulary."""
+    root = tmp_path_factory.mktemp("loader")
+    write_synthetic_corpus(root / "data", 600, seed=0, docs_per_shard=50, val_docs=80)
+    train_tokenizer(root / "data", root / "tokenizer", vocab_size=1024, log=lambda _: None)
+    return CorpusIndex.load(root / "data"), str(root / "tokenizer")
+
+
+def direct_rows(tokenizer, units_and_rows, num_rows, buffer_size=BUFFER):
+    """Rows packed in this process from the documents (unit, rows) in the order given."""
+    def docs():
+        for unit, rows in units_and_rows:
+            texts = read_unit_texts(unit, rows)
+            for tokens in tokenizer.encode_batch(texts, prepend_bos=True):
+                yield None, np.array(tokens, dtype=np.int32)
+    it = docs()
+    rows = np.zeros((num_rows, T + 1), dtype=np.int64)
+    BestFitPacker(T + 1, buffer_size).fill(rows, lambda: next(it))
+    return rows
+
+
+def collect(loader, steps, n=3):
+    """Rows of `steps` calls (as one [steps*n, T+1] array) and the documents they consumed."""
+    rows, ids = [], []
+    for _ in range(steps):
+        x, y = loader.next_rows(n)
+        rows.append(torch.cat([x, y[:, -1:]], dim=1).numpy())
+        ids += loader.consumed_doc_ids()
+    return np.concatenate(rows), ids
+
+
+def test_rows_are_the_packed_documents_of_the_units_in_order(corpus, ray_session):
+    index, tokenizer_dir = corpus
+    with TrainLoader(index, tokenizer_dir, T, rank=0, world_size=1, buffer_size=BUFFER) as loader:
+        x, y = loader.next_rows(5)
+        assert x.shape == y.shape == (5, T) and x.dtype == y.dtype == torch.int64
+        tokenizer = Tokenizer.load(tokenizer_dir)
+        assert (x[:, 0] == tokenizer.bos_id).all()
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        more, positions = [], [loader.position()]
+        for _ in range(25):
+            more.append(collect(loader, 1, n=20)[0])
+            positions.append(loader.position())
+        more = np.concatenate(more)
+    # One rank reads the units in file order: (epoch, shard) only moves forward, into epoch 2.
+    assert [p[:2] for p in positions] == sorted(p[:2] for p in positions)
+    assert positions[0] == (1, index.train[0].shard, 0) and positions[-1][0] >= 2
+    got = np.concatenate([torch.cat([x, y[:, -1:]], dim=1).numpy(), more])
+    # 505 rows take ~700 documents (~1.4 per row: most documents are longer than a row), more than
+    # the 520 of an epoch.
+    epochs = [(u, None) for _ in range(2) for u in index.train]
+    assert (got == direct_rows(tokenizer, epochs, len(got))).all()
+
+
+def test_same_world_size_resume_gives_identical_batches(corpus, ray_session):
+    index, tokenizer_dir = corpus
+    # With a shuffled unit order (seed 7), as the trainer may run.
+    ranks = [TrainLoader(index, tokenizer_dir, T, r, 2, shuffle_seed=7, buffer_size=BUFFER) for r in range(2)]
+    positions = []
+    for loader in ranks:
+        collect(loader, 6)
+        positions.append(loader.position())
+    merged = json.loads(json.dumps(merge_cursor([loader.state() for loader in ranks])))
+    expected = [collect(loader, 12)[0] for loader in ranks]
+    assert [loader.position() for loader in ranks] != positions     # the frontier moved on
+    for loader in ranks:
+        loader.close()
+    for r in range(2):
+        with TrainLoader(index, tokenizer_dir, T, r, 2, cursor=merged, shuffle_seed=7,
+                         buffer_size=BUFFER) as resumed:
+            got, _ = collect(resumed, 12)
+        assert torch.equal(torch.from_numpy(got), torch.from_numpy(expected[r]))
+
+
+def test_resume_on_one_rank_consumes_every_document_once(corpus, ray_session):
+    index, tokenizer_dir = corpus
+    epoch_one = {(1, u.index, row) for u in index.train for row in range(u.num_rows)}
+    consumed = []
+    ranks = [TrainLoader(index, tokenizer_dir, T, r, 2, buffer_size=BUFFER) for r in range(2)]
+    for loader in ranks:
+        consumed += collect(loader, 8)[1]
+    merged = json.loads(json.dumps(merge_cursor([loader.state() for loader in ranks])))
+    for loader in ranks:
+        loader.close()
+    assert merged["in_flight"], "the test needs documents in flight at the resize"
+    handed_over = set(expand(merged["in_flight"]))
+    with TrainLoader(index, tokenizer_dir, T, 0, 1, cursor=merged, buffer_size=BUFFER) as single:
+        # Run until the frontier is well into epoch 2: every epoch-1 unit has been read by then.
+        while single.position()[0] < 2 or len(consumed) < len(epoch_one):
+            consumed += collect(single, 10)[1]
+        final = merge_cursor([single.state()])
+    assert len(consumed) == len(set(consumed)), "a document was trained on twice"
+    in_flight = set(expand(final["in_flight"]))
+    assert not in_flight & set(consumed)
+    # Every epoch-1 document is trained on exactly once, or still waiting in the packer's buffer.
+    assert {d for d in consumed if d[0] == 1} | {d for d in in_flight if d[0] == 1} == epoch_one
+    assert handed_over & set(consumed), "the handed-over documents were read by the new rank"
+    assert len({d for d in consumed if d[0] == 1}) > 0.9 * len(epoch_one)
+
+
+def test_schedule_visits_every_unit_once_per_epoch(corpus):
+    index, _ = corpus
+    schedule = UnitSchedule(index, shuffle_seed=7)
+    U = len(index.train)
+    epochs = [[schedule(p) for p in range(e * U, (e + 1) * U)] for e in range(2)]
+    for e, visits in enumerate(epochs):
+        assert {epoch for epoch, _, _ in visits} == {e + 1}
+        assert sorted(unit for _, unit, _ in visits) == list(range(U))
+        assert all(rows == index.train[unit].num_rows for _, unit, rows in visits)
+    assert [u for _, u, _ in epochs[0]] != [u for _, u, _ in epochs[1]]   # reshuffled per epoch
+
+
+def test_cursor_from_another_corpus_is_refused(corpus):
+    index, tokenizer_dir = corpus
+    state = {"rank": 0, "world_size": 1, "next_position": 0, "pending": [], "num_units": 99,
+             "shuffle_seed": None}
+    with pytest.raises(RaychatError, match="99 train row groups"):
+        TrainLoader(index, tokenizer_dir, T, 0, 1, cursor=merge_cursor([state]))
+
+
+def test_val_batches_are_deterministic_and_split_across_ranks(corpus, ray_session):
+    index, tokenizer_dir = corpus
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    val = index.val[0]
+    for rank in range(2):
+        batches = val_loader(index, tokenizer_dir, T, 4, rank, 2, BUFFER)
+        first = [next(batches)[0] for _ in range(3)]
+        batches.close()
+        again = next(val_loader(index, tokenizer_dir, T, 4, rank, 2, BUFFER))[0]
+        assert torch.equal(first[0], again)
+        # Rank r packs val documents r, r+2, r+4, ... (and cycles through the split).
+        mine = [(val, list(range(rank, val.num_rows, 2)))] * 4
+        expected = direct_rows(tokenizer, mine, 12)
+        got = torch.cat(first).numpy()
+        assert (got == expected[:, :-1]).all()

@@ -1,0 +1,222 @@
+"""The log line against seed 000 (a nanochat user's log line), Ray gauges on the node's Prometheus
+endpoint, and wandb offline runs."""
+
+import struct
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from raychat.common import RaychatError
+from raychat.metrics import (
+    GAUGES,
+    RayMetrics,
+    WandbLogger,
+    counts_toward_total_time,
+    eta_seconds,
+    format_step_line,
+    format_val_line,
+    smooth_loss,
+)
+
+# Seed 000: a nanochat d20 run on one MI300X, total batch 2**19 tokens.
+SEED_LINE = ("step 00383/29000 (1.32%) | loss: 3.369286 | lrm: 1.00 | dt: 4052.93ms | tok/sec: 129,360 "
+             "| bf16_mfu: 62.46 | epoch: 1 pq: 0 rg: 279 | total time: 25.43m | eta: 1951.2m")
+
+
+def test_step_line_reproduces_the_seed_line():
+    line = format_step_line(step=383, num_iterations=29000, loss=3.369286, lrm=1.0, dt=4.05293,
+                            tok_per_sec=129360, mfu=62.46, epoch=1, pq=0, rg=279,
+                            total_time_s=25.43 * 60, eta_s=1951.2 * 60)
+    assert line == SEED_LINE
+
+
+def test_seed_line_follows_from_the_loop_arithmetic():
+    """The seed's numbers are consistent with nanochat's rules, and so are ours: tok/sec is
+    int(2**19 / dt); the eta is (29000 - 383) steps at the mean of the 373 timed steps."""
+    total_time_s = 1525.95  # 25.4325 min: prints as 25.43, like the seed
+    line = format_step_line(383, 29000, 3.369286, 1.0, 4.05293, 2**19 / 4.05293, 62.46, 1, 0, 279,
+                            total_time_s, eta_seconds(383, 29000, total_time_s))
+    assert line == SEED_LINE
+
+
+def test_cpu_line_marks_mfu_na_and_has_no_eta_before_timed_steps():
+    line = format_step_line(3, 40, 6.25, 0.1, 0.5, 8192, None, 0, 2, 7, 0.0, eta_seconds(3, 40, 0.0))
+    assert line == ("step 00003/00040 (7.50%) | loss: 6.250000 | lrm: 0.10 | dt: 500.00ms | tok/sec: 8,192 "
+                    "| bf16_mfu: n/a | epoch: 0 pq: 2 rg: 7 | total time: 0.00m")
+
+
+def test_loop_arithmetic_by_hand():
+    # EMA with beta 0.9 from 0, debiased: losses 4, 2 -> 0.4/0.1 = 4.0, then 0.56/0.19
+    smooth, shown = smooth_loss(0.0, 4.0, step=0)
+    assert (smooth, shown) == pytest.approx((0.4, 4.0))
+    smooth, shown = smooth_loss(smooth, 2.0, step=1)
+    assert (smooth, shown) == pytest.approx((0.56, 0.56 / 0.19))
+    # steps 0..10 are not timed; step 11 is the first
+    assert [counts_toward_total_time(s) for s in (0, 10, 11)] == [False, False, True]
+    assert eta_seconds(10, 100, 0.0) is None
+    assert eta_seconds(15, 100, 10.0) == pytest.approx(85 * 2.0)  # 5 timed steps, 2 s each
+
+
+def test_val_line():
+    assert format_val_line(250, 1.2345671) == "Step 00250 | Validation bpb: 1.234567"
+    assert format_val_line(0, 3.0) == "Step 00000 | Validation bpb: 3.000000"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ray gauges reach the node's Prometheus endpoint
+
+
+def _scrape(port: int, hosts: list[str]) -> str:
+    for host in hosts:
+        try:
+            return urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            continue
+    return ""
+
+
+def _samples(text: str, run: str) -> dict[str, float]:
+    """{metric name: value} of the raychat gauges of this run in a Prometheus text exposition."""
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("ray_raychat_") and f'run="{run}"' in line:
+            found[line.split("{", 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(150)
+def test_gauges_reach_the_prometheus_endpoint(ray_session):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Reporter:  # stands in for the rank-0 Train worker
+        def __init__(self):
+            from raychat.metrics import RayMetrics
+
+            self.metrics = RayMetrics("metrics-test")
+
+        def update(self, **values):
+            self.metrics.update(**values)
+
+    values = {"loss": 3.369286, "tokens_per_sec": 129360, "mfu": 62.46, "val_bpb": 1.234567, "step": 383,
+              "world_size": 2, "data_wait_seconds": 0.0125}
+    reporter = Reporter.remote()
+    try:
+        ray.get(reporter.update.remote(**values))
+        ray.get(reporter.update.remote(mfu=None))  # None leaves the gauge as it was
+        node = next(n for n in ray.nodes() if n["Alive"])
+        hosts = ["127.0.0.1", node["NodeManagerAddress"]]
+        deadline, found = time.monotonic() + 90, {}  # the agent exports every ~10 s
+        while time.monotonic() < deadline and len(found) < len(values):
+            found = _samples(_scrape(node["MetricsExportPort"], hosts), "metrics-test")
+            time.sleep(2)
+    finally:
+        ray.kill(reporter)
+    assert found == {f"ray_raychat_{name}": pytest.approx(float(v)) for name, v in values.items()}
+
+
+def test_unknown_gauge_name_is_an_error():
+    metrics = RayMetrics("driver-side")
+    with pytest.raises(ValueError, match="known: loss, tokens_per_sec"):
+        metrics.update(los=1.0)
+    assert set(GAUGES) == {"loss", "tokens_per_sec", "mfu", "val_bpb", "step", "world_size",
+                           "data_wait_seconds"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# wandb
+
+
+FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # looks like a W&B key; must never be printed
+
+
+def _offline_history(run_dir: Path) -> tuple[str, list[dict]]:
+    """(project, history rows) of an offline run, read from its .wandb transaction log (LevelDB log
+    format: 32 KiB blocks, 7-byte record headers, records split FIRST/MIDDLE/LAST)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (log_file,) = run_dir.glob("run-*.wandb")
+    data, pos, pending, records = log_file.read_bytes(), 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # block trailer
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            records.append(pending)
+            pending = b""
+    project, rows = "", []
+    for raw in records:
+        record = pb.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "run":
+            project = record.run.project
+        elif record.WhichOneof("record_type") == "history":
+            rows.append({"/".join(item.nested_key) or item.key: item.value_json
+                         for item in record.history.item})
+    return project, rows
+
+
+@pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    yield tmp_path
+    wandb.teardown()  # stops the wandb service process the test started
+
+
+def test_dummy_run_logs_nothing(wandb_env):
+    logger = WandbLogger("dummy", config={"depth": 4})
+    logger.log({"train/loss": 1.0}, step=1)
+    logger.finish()
+    assert not logger.enabled
+    assert list(wandb_env.iterdir()) == []
+
+
+def test_offline_run_records_the_logged_keys_and_never_prints_the_key(wandb_env, monkeypatch, capfd):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = WandbLogger("d4-offline", config={"depth": 4})
+    assert logger.enabled
+    logger.log({"train/loss": 3.5, "train/tok_per_sec": 1370}, step=10)
+    logger.log({"val/bpb": 1.25}, step=20)
+    logger.finish()
+    wandb.teardown()  # the wandb service flushes the run's transaction log when it stops
+
+    (run_dir,) = (wandb_env / "wandb").glob("offline-run-*")
+    project, rows = _offline_history(run_dir)
+    assert project == "raychat"
+    logged = [(r["_step"], r.get("train/loss"), r.get("train/tok_per_sec"), r.get("val/bpb")) for r in rows]
+    assert logged == [("10", "3.5", "1370", None), ("20", None, None, "1.25")]
+    out = capfd.readouterr()
+    assert FAKE_KEY not in out.out + out.err
+
+
+def test_raychat_offline_without_wandb_mode_logs_offline(wandb_env, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("RAYCHAT_OFFLINE", "1")
+    logger = WandbLogger("d4-raychat-offline")
+    logger.log({"train/loss": 2.5}, step=1)
+    logger.finish()
+    assert len(list((wandb_env / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_online_without_credentials_is_one_clear_line(wandb_env, monkeypatch, capfd):
+    for var in ("WANDB_MODE", "RAYCHAT_OFFLINE", "WANDB_API_KEY", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(wandb_env))  # no ~/.netrc, no saved wandb login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(wandb_env / "config"))
+    with pytest.raises(RaychatError) as err:
+        WandbLogger("d4-online")
+    message = str(err.value)
+    assert "\n" not in message and "wandb login" in message and "WANDB_MODE=offline" in message

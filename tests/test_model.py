@@ -1,0 +1,294 @@
+"""The GPT: shapes and parameter counts worked out by hand (seed 001's d12), nanochat's init,
+the loss contract, causality and sliding windows, precision, generation, optimizer sets."""
+
+import math
+
+import pytest
+import torch
+
+from raychat.common import RaychatError
+from raychat.model import (
+    GPT,
+    GPTConfig,
+    build_model,
+    compute_dtype,
+    gpt_config,
+    has_value_embedding,
+    window_sizes,
+)
+
+
+def tiny_config(**overrides) -> GPTConfig:
+    values = dict(sequence_len=32, vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, n_embd=32,
+                  window_pattern="SL")
+    values.update(overrides)
+    return GPTConfig(**values)
+
+
+def tiny_model(seed=0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return build_model(tiny_config(**overrides), "cpu")
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+def test_gpt_config_d12_seed001():
+    cfg = gpt_config(depth=12, aspect_ratio=64, head_dim=128, max_seq_len=2048, vocab_size=32768,
+                     window_pattern="L")
+    assert (cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.n_embd) == (12, 6, 6, 768)
+    assert (cfg.sequence_len, cfg.vocab_size, cfg.head_dim) == (2048, 32768, 128)
+
+
+def test_gpt_config_rounds_width_up_to_head_dim():
+    cfg = gpt_config(5, 64, 128, 512, 1000, "L")     # 5 * 64 = 320 -> 384 = 3 heads of 128
+    assert (cfg.n_embd, cfg.n_head) == (384, 3)
+    cfg = gpt_config(20, 64, 128, 2048, 32768, "SSSL")  # 1280 is already a multiple: 10 heads
+    assert (cfg.n_embd, cfg.n_head) == (1280, 10)
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    (dict(depth=0), "--depth"),
+    (dict(aspect_ratio=0), "--aspect-ratio"),
+    (dict(head_dim=0), "--head-dim"),
+    (dict(head_dim=63), "--head-dim"),
+    (dict(head_dim=-2), "--head-dim"),
+    (dict(max_seq_len=0), "--max-seq-len"),
+    (dict(vocab_size=0), "--vocab-size"),
+    (dict(window_pattern="SXL"), "--window-pattern"),
+    (dict(window_pattern=""), "--window-pattern"),
+    (dict(depth=1, aspect_ratio=8, head_dim=16), "--aspect-ratio"),  # width 16 < the smear gate's 24
+])
+def test_gpt_config_rejects_bad_input(kwargs, flag):
+    args = dict(depth=4, aspect_ratio=64, head_dim=64, max_seq_len=512, vocab_size=1000, window_pattern="L")
+    args.update(kwargs)
+    with pytest.raises(RaychatError, match=flag) as err:
+        gpt_config(**args)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_gqa_is_rejected():
+    with pytest.raises(RaychatError, match="n_kv_head"):
+        GPT(tiny_config(n_kv_head=3))
+
+
+def test_window_sizes():
+    # T=2048: S = 2048/4 = 512 (already a multiple of 128); SSSL tiled over 12 layers, last forced L
+    assert window_sizes(GPTConfig(sequence_len=2048, n_layer=12, window_pattern="SSSL")) == \
+        [512, 512, 512, 2048] * 3
+    # T=1000: 1000/4 = 250 rounds up to 256; pattern S everywhere but the last layer
+    assert window_sizes(GPTConfig(sequence_len=1000, n_layer=5, window_pattern="S")) == [256] * 4 + [1000]
+    # T=512: S = 128; lower-case pattern accepted; "LS" on 4 layers is L S L S -> last becomes L
+    assert window_sizes(GPTConfig(sequence_len=512, n_layer=4, window_pattern="ls")) == [512, 128, 512, 512]
+
+
+def test_value_embedding_layers_alternate_from_the_last():
+    assert [i for i in range(12) if has_value_embedding(i, 12)] == [1, 3, 5, 7, 9, 11]
+    assert [i for i in range(5) if has_value_embedding(i, 5)] == [0, 2, 4]
+
+
+# --- parameter counts ----------------------------------------------------------------------------
+
+def test_d12_parameter_count_by_hand():
+    cfg = gpt_config(12, 64, 128, 2048, 32768, "L")
+    with torch.device("meta"):
+        model = GPT(cfg)
+    V, C, L, H = 32768, 768, 12, 6          # vocab (already a multiple of 64), width, layers, heads
+    kv = H * 128                             # n_kv_head * head_dim
+    n_ve_layers = 6                          # layers 1, 3, 5, 7, 9, 11
+    wte = V * C
+    lm_head = C * V
+    value_embeds = n_ve_layers * V * kv
+    per_layer = C * C + 2 * C * kv + C * C + C * 4 * C + 4 * C * C   # q, k+v, proj, fc, mlp proj
+    ve_gates = n_ve_layers * 12 * H          # 12 input channels -> one gate per kv head
+    transformer_matrices = L * per_layer + ve_gates
+    scalars = L + L + 24 + 1 + 1             # resid, x0, smear gate (24 -> 1), smear lambda, backout
+    counts = model.num_scaling_params()
+    assert counts == {"wte": wte, "value_embeds": value_embeds, "lm_head": lm_head,
+                      "transformer_matrices": transformer_matrices, "scalars": scalars,
+                      "total": wte + value_embeds + lm_head + transformer_matrices + scalars}
+    assert counts["total"] == 286_261_730    # seed 001: 总参数量 286,261,730
+
+
+def test_vocab_is_padded_to_64_and_logits_sliced_back():
+    model = tiny_model(vocab_size=100)
+    assert model.transformer.wte.weight.shape[0] == 128 and model.lm_head.weight.shape[0] == 128
+    assert model(torch.randint(0, 100, (2, 8))).shape == (2, 8, 100)
+
+
+# --- construction and init -----------------------------------------------------------------------
+
+def test_meta_build_then_init_is_finite_fp32_and_on_device():
+    model = tiny_model()
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+    logits = model(torch.randint(0, 100, (2, 32)))
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert logits.abs().max() < 15  # soft cap
+
+
+def test_init_is_deterministic_under_seed():
+    a, b = tiny_model(seed=1).state_dict(), tiny_model(seed=1).state_dict()
+    c = tiny_model(seed=2).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["transformer.wte.weight"], c["transformer.wte.weight"])
+
+
+def test_init_values_follow_nanochat():
+    model = tiny_model(n_layer=3, n_embd=32)
+    torch.testing.assert_close(model.resid_lambdas, torch.tensor([1.15, 1.10, 1.05]))
+    torch.testing.assert_close(model.x0_lambdas, torch.tensor([0.20, 0.125, 0.05]))
+    assert model.smear_lambda.item() == 0.0 and model.backout_lambda.item() == pytest.approx(0.2)
+    s = math.sqrt(3 / 32)
+    for block in model.transformer.h:
+        assert block.attn.c_proj.weight.abs().max() == 0 and block.mlp.c_proj.weight.abs().max() == 0
+        assert 0.9 * s < block.attn.c_q.weight.abs().max() <= s
+        assert 0.9 * 0.4 * s < block.mlp.c_fc.weight.abs().max() <= 0.4 * s
+    gate = model.transformer.h[2].attn.ve_gate.weight
+    assert gate.min() >= 0 and gate.max() <= 0.02 and gate.shape == (2, 12)
+    assert model.transformer.h[1].attn.ve_gate is None
+    assert 0.5 < model.transformer.wte.weight.std() < 1.1
+
+
+def test_loss_at_init_is_ln_vocab():
+    model = tiny_model(vocab_size=512)
+    x = torch.randint(0, 512, (4, 32))
+    assert model(x, x).item() == pytest.approx(math.log(512), abs=0.02)
+
+
+# --- forward contract ----------------------------------------------------------------------------
+
+def test_loss_reductions_and_ignore_index():
+    model = tiny_model()
+    x = torch.randint(0, 100, (3, 16))
+    y = torch.randint(0, 100, (3, 16))
+    y[0, :5] = -1
+    y[2, 10:] = -1
+    per_position = model(x, y, loss_reduction="none")
+    assert per_position.shape == y.shape
+    assert (per_position[y == -1] == 0).all() and (per_position[y != -1] > 0).all()
+    total = model(x, y, loss_reduction="sum")
+    torch.testing.assert_close(total, per_position.sum())
+    torch.testing.assert_close(model(x, y), total / (y != -1).sum())
+    # the loss is the cross-entropy of the returned logits
+    logits = model(x)
+    manual = -torch.log_softmax(logits[1, 3], dim=-1)[y[1, 3]]
+    torch.testing.assert_close(per_position[1, 3], manual)
+
+
+def test_causal_including_smear_and_value_embeddings():
+    model = tiny_model(window_pattern="L")
+    x = torch.randint(0, 100, (1, 20))
+    changed = x.clone()
+    changed[0, 12] = (x[0, 12] + 1) % 100
+    a, b = model(x), model(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12], rtol=0, atol=0)
+    assert (a[:, 12:] - b[:, 12:]).abs().max() > 0
+
+
+def test_sliding_window_only_changes_positions_beyond_the_window():
+    # T = 256: S windows are 256/4 = 64 -> rounded up to 128. Same weights, pattern S vs L.
+    torch.manual_seed(0)
+    windowed = build_model(tiny_config(sequence_len=256, n_layer=2, window_pattern="S"), "cpu")
+    full = build_model(tiny_config(sequence_len=256, n_layer=2, window_pattern="L"), "cpu")
+    full.load_state_dict(windowed.state_dict())
+    assert windowed.window_sizes == [128, 256]
+    # zero-init output projections would hide attention entirely; give them weights
+    with torch.no_grad():
+        for model in (windowed, full):
+            for block in model.transformer.h:
+                block.attn.c_proj.weight.copy_(windowed.transformer.h[0].attn.c_q.weight)
+    x = torch.randint(0, 100, (2, 256))
+    a, b = windowed(x), full(x)
+    torch.testing.assert_close(a[:, :129], b[:, :129])       # query i <= 128 sees its whole prefix anyway
+    assert (a[:, 129:] - b[:, 129:]).abs().max() > 1e-4
+
+
+def test_sequence_beyond_rotary_cache_fails_clearly():
+    model = tiny_model(sequence_len=4)
+    assert model(torch.zeros(1, 40, dtype=torch.long)).shape == (1, 40, 100)  # 10 x sequence_len is fine
+    with pytest.raises(RaychatError, match="rotary cache of 40 positions.*--max-seq-len"):
+        model(torch.zeros(1, 41, dtype=torch.long))
+
+
+def test_training_steps_lower_the_loss():
+    model = tiny_model(vocab_size=64)
+    batch = torch.randint(0, 64, (4, 33))
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(15):
+        loss = model(inputs, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(math.log(64), abs=0.02)
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(p.grad is not None for p in model.parameters())  # every parameter takes part
+
+
+# --- precision -----------------------------------------------------------------------------------
+
+def test_compute_dtype(monkeypatch):
+    monkeypatch.delenv("RAYCHAT_DTYPE", raising=False)
+    assert compute_dtype(torch.device("cpu")) == torch.float32
+    assert compute_dtype("meta") == torch.float32
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+        monkeypatch.setenv("RAYCHAT_DTYPE", name)
+        assert compute_dtype(torch.device("cpu")) == dtype
+    monkeypatch.setenv("RAYCHAT_DTYPE", "int8")
+    with pytest.raises(RaychatError, match="RAYCHAT_DTYPE"):
+        compute_dtype(torch.device("cpu"))
+
+
+def test_bf16_compute_keeps_fp32_weights_and_logits(monkeypatch):
+    x = torch.randint(0, 100, (2, 16))
+    reference = tiny_model()(x, x)
+    monkeypatch.setenv("RAYCHAT_DTYPE", "bf16")
+    model = tiny_model()
+    assert model.compute_dtype == torch.bfloat16 and model.cos.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert model(x).dtype == torch.float32
+    loss = model(x, x)
+    loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    assert loss.item() == pytest.approx(reference.item(), abs=0.02)
+
+
+# --- optimizer sets, flops, generation -----------------------------------------------------------
+
+def test_optimizer_param_sets_cover_every_parameter_once():
+    model = tiny_model(n_layer=4)
+    sets = model.optimizer_param_sets()
+    assert list(sets) == ["lm_head", "embedding", "value_embeds", "resid", "x0", "smear", "matrix"]
+    ids = [id(p) for params in sets.values() for p in params]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    assert set(ids) == {id(p) for p in model.parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [names[id(p)] for p in sets["smear"]] == ["smear_gate.weight", "smear_lambda", "backout_lambda"]
+    assert all(names[id(p)].startswith("transformer.h.") for p in sets["matrix"])
+    assert any(names[id(p)].endswith("ve_gate.weight") for p in sets["matrix"])
+    assert [names[id(p)] for p in sets["value_embeds"]] == ["value_embeds.1.weight", "value_embeds.3.weight"]
+
+
+def test_estimate_flops_is_the_flops_module():
+    from raychat.flops import flops_per_token
+
+    model = tiny_model()
+    assert model.estimate_flops() == flops_per_token(model.config)
+
+
+def test_generate_greedy_matches_argmax_and_sampling_is_seeded():
+    model = tiny_model(sequence_len=8)
+    prompt = [1, 2, 3]
+    greedy = model.generate(prompt, 5)
+    ids = list(prompt)
+    for _ in range(5):
+        ids.append(int(model(torch.tensor([ids[-8:]]))[0, -1].argmax()))
+    assert greedy == ids[3:]
+    sampled = model.generate(prompt, 12, temperature=1.0, top_k=5, seed=7)
+    assert sampled == model.generate(prompt, 12, temperature=1.0, top_k=5, seed=7)
+    assert len(sampled) == 12 and all(0 <= t < 100 for t in sampled)
+    # top_k=1 sampling is greedy whatever the temperature
+    assert model.generate(prompt, 5, temperature=2.0, top_k=1) == greedy
+    # a prompt longer than the context is cropped to the last sequence_len tokens
+    assert model.generate(list(range(20)), 3) == model.generate(list(range(12, 20)), 3)

@@ -1,0 +1,232 @@
+"""tune.sweep: grid construction and trial configs (no Ray), then a real sweep on the shared cluster:
+4 tiny trials (2 depths x 2 ratios, CPU), interrupted with Ctrl-C after a trial finished and
+resumed by re-running the command: every trial reports val bpb, the finished trial is not re-run,
+the table and plots are written."""
+
+import csv
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raychat.common import RaychatError, run_cli
+from raychat.config import TrainConfig
+from tune.report import SWEEP_SPEC_FILE, SweepDir, load_sweep
+from tune.sweep import asha_scheduler, build_trials, check_same_grid, main, parse_list, trial_name
+
+# d2/d3, width 32 per layer, T 64, 256-token steps: each trial is a few steps of the full model.
+TINY = ["--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--window-pattern", "L",
+        "--device-batch-size", "4", "--total-batch-size", "256", "--eval-tokens", "2048", "--eval-every", "5",
+        "--warmup-steps", "2", "--sample-every", "-1", "--vocab-size", "512"]
+
+
+def tiny_base(**changes) -> TrainConfig:
+    return TrainConfig(depth=2, aspect_ratio=32, head_dim=32, max_seq_len=64, window_pattern="L",
+                       device_batch_size=4, total_batch_size=256, **changes)
+
+
+def test_parse_list():
+    assert parse_list("10,12,14", int, "--depths") == [10, 12, 14]
+    assert parse_list("1e18, 3e18", float, "--flops") == [1e18, 3e18]
+    for bad in ("", "10,x", "10,10", "0,2", "-1"):
+        with pytest.raises(RaychatError, match="--depths"):
+            parse_list(bad, int, "--depths")
+
+
+def test_trial_names():
+    assert trial_name(12, ratio=8) == "d12_r8"
+    assert trial_name(12, ratio=0.5) == "d12_r0.5"
+    assert trial_name(10, flops=1e18) == "f1e18_d10"
+    assert trial_name(10, flops=2.15e18) == "f2.15e18_d10"
+    assert trial_name(2, flops=1e6) == "f1e6_d2"
+
+
+def test_ratio_grid_trials():
+    trials = build_trials(tiny_base(run="exp"), [2, 3], [4.0, 8.0], [], "1:2", "/runs", vocab_size=512)
+    assert [t["name"] for t in trials] == ["d2_r4", "d2_r8", "d3_r4", "d3_r8"]
+    for t in trials:
+        cfg = TrainConfig.from_dict(t["train_config"])
+        assert (cfg.depth, cfg.target_param_data_ratio) == (t["depth"], t["ratio"])
+        assert cfg.num_iterations == -1 and cfg.target_flops == -1  # the ratio is the horizon
+        assert (cfg.run_name, cfg.storage_path, cfg.num_workers) == (t["name"], "/runs", "1:2")
+        assert cfg.run == f"exp_{t['name']}"  # one wandb run per trial
+        plan = t["plan"]
+        # horizon: ratio x scaling params, in whole 256-token steps
+        assert plan["num_iterations"] == int(t["ratio"] * plan["scaling_params"]) // 256
+        assert plan["total_flops"] == plan["flops_per_token"] * plan["total_tokens"]
+        assert plan["n_embd"] == 32 * t["depth"]
+    # deeper model, more parameters
+    assert trials[2]["plan"]["scaling_params"] > trials[0]["plan"]["scaling_params"]
+
+
+def test_iso_flop_trials_spend_each_budget():
+    budgets = [2e10, 6e10]
+    trials = build_trials(tiny_base(), [2, 3, 4], [], budgets, "1", "/runs", vocab_size=512)
+    assert [t["name"] for t in trials] == ["f2e10_d2", "f2e10_d3", "f2e10_d4", "f6e10_d2", "f6e10_d3",
+                                           "f6e10_d4"]
+    for t in trials:
+        cfg = TrainConfig.from_dict(t["train_config"])
+        assert cfg.target_flops == t["flops_budget"] and cfg.target_param_data_ratio == -1
+        step_flops = t["plan"]["flops_per_token"] * t["plan"]["total_batch_size"]
+        # a whole number of steps, the nearest to the budget
+        assert abs(t["plan"]["total_flops"] - t["flops_budget"]) <= step_flops / 2
+    # same budget: the bigger model sees fewer tokens
+    tokens = [t["plan"]["total_tokens"] for t in trials[:3]]
+    assert tokens == sorted(tokens, reverse=True)
+
+
+def test_budget_too_small_names_the_trial():
+    with pytest.raises(RaychatError, match="trial f1e6_d2: --target-flops"):
+        build_trials(tiny_base(), [2], [], [1e6], "1", "/runs", vocab_size=512)
+
+
+def test_dry_run_prints_the_grid(capsys, tmp_path):
+    assert main(["--depths", "2,3", "--flops", "2e10,6e10", *TINY, "--storage-path", str(tmp_path),
+                 "--name", "dry", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "4 trials" in out and "f6e10_d3" in out
+    assert not (tmp_path / "dry").exists()  # nothing run, nothing written
+
+
+def test_flag_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, ["--depths", "2", "--ratios", "4", "--flops", "1e18", "--dry-run"])
+    assert e.value.code == 2
+    assert "--ratios and --flops" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, ["--depths", "2", "--workers-per-trial", "4:2", "--dry-run"])
+    assert e.value.code == 2
+    assert "--workers-per-trial must be N or MIN:MAX" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, ["--depths", "2", "--name", "../elsewhere", "--dry-run"])
+    assert e.value.code == 2
+    assert "--name must be" in capsys.readouterr().err
+
+
+def test_asha_compares_val_bpb_at_equal_flops():
+    from types import SimpleNamespace
+
+    trials = build_trials(tiny_base(), [2, 3], [], [2e10, 6e10], "1", "/runs", vocab_size=512)
+    scheduler = asha_scheduler(trials)
+    first_rung = min(t["plan"]["total_flops"] for t in trials) / 3
+    a, b, c = (SimpleNamespace(trial_id=i) for i in "abc")
+    for t in (a, b, c):
+        scheduler.on_trial_add(None, t)
+    # before the first rung, or a report without val bpb (a checkpoint-only step): keep going
+    assert scheduler.on_trial_result(None, c, {"flops_so_far": first_rung / 2, "val_bpb": 9.0}) == "CONTINUE"
+    assert scheduler.on_trial_result(None, c, {"flops_so_far": first_rung, "step": 3}) == "CONTINUE"
+    # at the rung, in the same FLOPs: a trial trailing the others is stopped
+    assert scheduler.on_trial_result(None, a, {"flops_so_far": first_rung, "val_bpb": 1.0}) == "CONTINUE"
+    assert scheduler.on_trial_result(None, b, {"flops_so_far": first_rung, "val_bpb": 0.9}) == "CONTINUE"
+    assert scheduler.on_trial_result(None, c, {"flops_so_far": first_rung, "val_bpb": 1.3}) == "STOP"
+
+
+def test_resume_refuses_another_grid(tmp_path):
+    trials = build_trials(tiny_base(), [2, 3], [4.0], [], "1", "/runs", vocab_size=512)
+    sweep_dir = SweepDir(str(tmp_path / "s"))
+    sweep_dir.write_text(SWEEP_SPEC_FILE, json.dumps({"trials": trials}))
+    check_same_grid(sweep_dir, trials, "s")  # same grid: fine
+    with pytest.raises(RaychatError, match="started with trials d2_r4,d3_r4 but this command defines d2_r4"):
+        check_same_grid(sweep_dir, trials[:1], "s")
+
+
+# ------------------------------------------------------------------------------------------------
+# A real sweep on the shared cluster
+
+def _trial_status(experiment: Path) -> dict[str, str]:
+    """Trial -> Tune status from the newest experiment state Tune has written (what a restore reads)."""
+    states = sorted(experiment.glob("experiment_state-*.json"))
+    if not states:
+        return {}
+    try:
+        state = json.loads(states[-1].read_text())
+    except json.JSONDecodeError:  # caught mid-write
+        return {}
+    return {json.loads(t)["relative_logdir"]: json.loads(t)["status"] for t, _ in state["trial_data"]}
+
+
+@pytest.fixture(scope="module")
+def interrupted_sweep(ray_session, tiny_corpus, tmp_path_factory):
+    """Start a 4-trial sweep, Ctrl-C it once a trial has finished, then re-run the same command."""
+    data_dir, tokenizer_dir = tiny_corpus
+    storage = tmp_path_factory.mktemp("sweeps")
+    cmd = [sys.executable, "-m", "tune.sweep", "--depths", "2,3", "--ratios", "0.004,0.008", *TINY,
+           "--data-dir", str(data_dir), "--tokenizer-dir", str(tokenizer_dir), "--storage-path", str(storage),
+           "--name", "tiny", "--max-concurrent", "2"]
+    experiment = storage / "tiny"
+    first_log = storage / "first.log"
+    with open(first_log, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ray_session.driver_env())
+        try:
+            deadline = time.time() + 600
+            while time.time() < deadline and proc.poll() is None:
+                finished = [t for t, s in _trial_status(experiment).items() if s == "TERMINATED"]
+                if finished:
+                    break
+                time.sleep(1)
+            assert finished, "no trial finished in time:\n" + first_log.read_text()[-3000:]
+            proc.send_signal(signal.SIGINT)  # what Ctrl-C does
+            first_rc = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    before = {t: (experiment / t / "result.json").read_bytes() for t in finished}
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ray_session.driver_env())
+    return {"experiment": experiment, "finished_first": finished, "before": before, "first_rc": first_rc,
+            "first_out": first_log.read_text(), "second": second}
+
+
+@pytest.mark.ray
+def test_interrupted_sweep_resumes_without_rerunning_finished_trials(interrupted_sweep):
+    s = interrupted_sweep
+    second = s["second"]
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    out = second.stdout + second.stderr
+    assert "Resuming sweep tiny" in out
+    for trial in s["finished_first"]:
+        # Tune never started it again, and its results are exactly those of the first run
+        assert f"Trial {trial} started" not in out
+        assert (s["experiment"] / trial / "result.json").read_bytes() == s["before"][trial]
+    names = ("d2_r0.004", "d2_r0.008", "d3_r0.004", "d3_r0.008")
+    started_again = [t for t in names if f"Trial {t} started" in out]
+    assert len(started_again) == 4 - len(s["finished_first"])
+    # the interrupted run said so (exit code 130, like any Ctrl-C) and how to resume
+    assert s["first_rc"] == 130
+    assert "re-run the same command to resume" in s["first_out"]
+
+
+@pytest.mark.ray
+def test_every_trial_reports_val_bpb(interrupted_sweep):
+    trials = load_sweep(str(interrupted_sweep["experiment"]))
+    assert [t.name for t in trials] == ["d2_r0.004", "d2_r0.008", "d3_r0.004", "d3_r0.008"]
+    for t in trials:
+        assert t.status == "finished", t.name
+        plan = t.spec["plan"]
+        evals = [r for r in t.results if r.get("val_bpb") is not None]
+        # eval at step 0, every 5 steps and at the last step
+        expected_steps = sorted({*range(0, plan["num_iterations"], 5), plan["num_iterations"]})
+        assert [r["step"] for r in evals] == expected_steps, t.name
+        assert all(0 < r["val_bpb"] < 20 and math.isfinite(r["val_bpb"]) for r in evals)
+        assert t.last("total_tokens") == plan["total_tokens"]
+        assert t.last("flops_so_far") == plan["total_flops"]
+        # the trial's raychat run lives under the sweep and kept its final checkpoint
+        run_dir = interrupted_sweep["experiment"] / "runs" / t.name
+        assert any(run_dir.glob(f"checkpoint_{plan['num_iterations']:06d}"))
+
+
+@pytest.mark.ray
+def test_sweep_writes_table_and_plots(interrupted_sweep):
+    report = interrupted_sweep["experiment"] / "report"
+    with open(report / "trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["trial"] for r in rows] == ["d2_r0.004", "d2_r0.008", "d3_r0.004", "d3_r0.008"]
+    assert {r["status"] for r in rows} == {"finished"}
+    assert all(float(r["val_bpb"]) > 0 for r in rows)
+    assert (report / "val_bpb_vs_flops.png").stat().st_size > 10_000
+    assert "d3_r0.008" in interrupted_sweep["second"].stdout  # the table is printed too

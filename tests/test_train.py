@@ -1,0 +1,273 @@
+"""The trainer end to end: `python -m raychat.train` as a user runs it, on the shared Ray cluster,
+2 CPU workers with gloo, a tiny real-text corpus. Killed workers, resizes, bad input."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.ray
+
+STEP_LINE = re.compile(
+    r"step (\d{5})/(\d{5}) \((\d+\.\d{2})%\) \| loss: (\d+\.\d{6}) \| lrm: (\d\.\d{2}) \| dt: (\d+\.\d{2})ms \| "
+    r"tok/sec: ([\d,]+) \| bf16_mfu: n/a \| epoch: (\d+) pq: (\d+) rg: (\d+) \| total time: (\d+\.\d{2})m"
+    r"( \| eta: \d+\.\dm)?$"
+)
+VAL_LINE = re.compile(r"Step (\d{5}) \| Validation bpb: (\d+\.\d{6})$")
+
+# d2, width 64 (2 heads of 32), T 64: a few ms per step, still the full architecture.
+TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
+        "--window-pattern", "L", "--device-batch-size", "4", "--eval-tokens", "2048",
+        "--warmup-steps", "2", "--sample-every", "-1"]
+
+
+def tiny_flags(tiny_corpus, storage: Path, run_name: str, *extra: str) -> list[str]:
+    data_dir, tokenizer_dir = tiny_corpus
+    return [*TINY, "--data-dir", str(data_dir), "--tokenizer-dir", str(tokenizer_dir),
+            "--storage-path", str(storage), "--run-name", run_name, *extra]
+
+
+def run_train(cluster, flags: list[str], timeout: int = 400, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "raychat.train", *flags], capture_output=True, text=True,
+                          timeout=timeout, env=cluster.driver_env(**env))
+
+
+def log_lines(output: str, pattern: re.Pattern) -> list[re.Match]:
+    """Matches of a pattern in driver output; Ray prefixes worker lines with '(RayTrainWorker ...) '."""
+    found = []
+    for line in output.splitlines():
+        match = pattern.search(line)
+        if match:
+            found.append(match)
+    return found
+
+
+def final_model_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    from raychat.checkpoint import latest_valid_checkpoint, load_checkpoint
+
+    model_state, _, _ = load_checkpoint(latest_valid_checkpoint(run_dir))
+    return model_state
+
+
+def read_trace(trace_dir: Path) -> dict[int, list[tuple[int, int, int]]]:
+    """step -> doc ids trained at that step, keeping for each step the latest attempt that ran it
+    (a step redone after a restore supersedes the lost attempt's record)."""
+    by_step: dict[int, dict[str, list]] = {}
+    for path in sorted(trace_dir.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            by_step.setdefault(rec["step"], {}).setdefault(rec["attempt"], []).extend(
+                tuple(i) for i in rec["ids"])
+    return {step: attempts[max(attempts)] for step, attempts in by_step.items()}
+
+
+def test_two_workers_learn_log_and_checkpoint(ray_session, tiny_corpus, tmp_path):
+    result = run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "basic", "--num-workers", "2",
+                                               "--total-batch-size", "1024", "--num-iterations", "16",
+                                               "--eval-every", "8", "--save-every", "8"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "rows per step" in out and "tokens : scaling params" in out  # the plan is printed first
+    steps = log_lines(out, STEP_LINE)
+    assert [int(m.group(1)) for m in steps] == list(range(16))
+    assert all(int(m.group(2)) == 16 for m in steps)
+    assert int(steps[-1].group(7).replace(",", "")) > 0
+    vals = log_lines(out, VAL_LINE)
+    assert [int(m.group(1)) for m in vals] == [0, 8, 16]
+    bpbs = [float(m.group(2)) for m in vals]
+    assert bpbs[-1] < bpbs[0] - 0.3, bpbs  # it learns
+    # The seven sample prompts are printed at the end.
+    assert "The capital of France is" in out and "If 5*x + 3 = 13, then x is" in out
+    # Checkpoints at 8 and 16, complete, with the cursor and loop state.
+    from raychat.checkpoint import is_complete
+
+    run_dir = tmp_path / "basic"
+    ckpts = sorted(p.name for p in run_dir.glob("checkpoint_*"))
+    assert ckpts == ["checkpoint_000008", "checkpoint_000016"]
+    assert all(is_complete(run_dir / c) for c in ckpts)
+    meta = json.loads((run_dir / "checkpoint_000016" / "meta.json").read_text())
+    assert meta["step"] == 16 and meta["world_size"] == 2 and meta["cursor"]
+    assert meta["loop_state"]["min_val_bpb"] == pytest.approx(min(bpbs), abs=1e-6)
+    assert "min val bpb" in out and "checkpoint" in out
+
+    # Sampling from the run works; a tokenizer of another vocabulary is refused.
+    _, tokenizer_dir = tiny_corpus
+    sample = subprocess.run([sys.executable, "-m", "raychat.sample", "--run-name", "basic", "--storage-path",
+                             str(tmp_path), "--tokenizer-dir", str(tokenizer_dir), "--prompt", "The",
+                             "--max-tokens", "8"], capture_output=True, text=True, timeout=120)
+    assert sample.returncode == 0, sample.stderr
+    assert "step 16" in sample.stdout and "\nThe" in sample.stdout
+
+
+def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path):
+    flags = ["--num-workers", "2", "--total-batch-size", "1024", "--num-iterations", "24",
+             "--eval-every", "-1", "--save-every", "6"]
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    reference = subprocess.Popen(
+        [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, tmp_path, "reference", *flags)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_session.driver_env())
+    crashed = subprocess.Popen(
+        [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, tmp_path, "crashed", *flags)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=ray_session.driver_env(RAYCHAT_TRACE_DIR=str(trace)))
+    try:
+        # Kill rank 1 for real once step 9 is done: the step-6 checkpoint has been reported by then.
+        victim = None
+        deadline = time.time() + 300
+        while victim is None and time.time() < deadline and crashed.poll() is None:
+            for path in trace.glob("*_rank1.jsonl"):
+                records = [json.loads(line) for line in path.read_text().splitlines()]
+                if records and records[-1]["step"] >= 9:
+                    victim = int(records[-1]["attempt"].split("_")[1])
+            time.sleep(0.2)
+        assert victim is not None, "rank 1 never reached step 9"
+        os.kill(victim, signal.SIGKILL)
+        crashed_out, _ = crashed.communicate(timeout=400)
+        reference_out, _ = reference.communicate(timeout=400)
+    finally:
+        for proc in (crashed, reference):
+            if proc.poll() is None:
+                proc.kill()
+    assert crashed.returncode == 0, crashed_out[-3000:]
+    assert reference.returncode == 0, reference_out[-3000:]
+    assert "Resumed from" in crashed_out
+    ref_state = final_model_state(tmp_path / "reference")
+    crash_state = final_model_state(tmp_path / "crashed")
+    assert ref_state.keys() == crash_state.keys()
+    for name in ref_state:
+        assert torch.equal(ref_state[name], crash_state[name]), name
+
+
+def test_resize_two_to_one_consumes_every_doc_once(ray_session, tiny_corpus, tmp_path):
+    from raychat.corpus import CorpusIndex
+    from raychat.cursor import cursor_doc_ids
+
+    data_dir, _ = tiny_corpus
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    common = ["--total-batch-size", "2048", "--eval-every", "-1", "--save-every", "-1"]
+    first = run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "resize", "--num-workers", "2",
+                                              "--num-iterations", "8", *common),
+                      RAYCHAT_TRACE_DIR=str(trace))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "resize", "--num-workers", "1",
+                                               "--num-iterations", "30", *common),
+                       RAYCHAT_TRACE_DIR=str(trace))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "saved by 2 workers, now 1" in second.stdout
+
+    consumed = [doc for ids in read_trace(trace).values() for doc in ids]
+    assert len(consumed) == len(set(consumed)), "a document was trained on twice"
+    index = CorpusIndex.load(data_dir)
+    all_epoch0 = {(0, unit.index, row) for unit in index.train for row in range(unit.num_rows)}
+    assert max(epoch for epoch, _, _ in consumed) >= 1, "the run should pass the end of epoch 0"
+    meta = json.loads(next((tmp_path / "resize").glob("checkpoint_000030")).joinpath("meta.json").read_text())
+    in_flight = {d for d in cursor_doc_ids(meta["cursor"]) if d[0] == 0}
+    trained0 = {d for d in consumed if d[0] == 0}
+    assert not trained0 & in_flight
+    assert trained0 | in_flight == all_epoch0
+
+
+def test_job_submit_to_running_cluster(ray_session, tiny_corpus, tmp_path):
+    ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+    env = ray_session.driver_env()
+    env.pop("RAY_ADDRESS")
+    submit = subprocess.run(
+        [ray_bin, "job", "submit", "--address", ray_session.dashboard_url, "--no-wait", "--",
+         sys.executable, "-m", "raychat.train",
+         *tiny_flags(tiny_corpus, tmp_path, "job", "--num-workers", "1", "--total-batch-size", "512",
+                     "--num-iterations", "4", "--eval-every", "-1")],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert submit.returncode == 0, submit.stderr
+    job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
+    status = ""
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        status = subprocess.run([ray_bin, "job", "status", "--address", ray_session.dashboard_url, job_id],
+                                capture_output=True, text=True, timeout=60, env=env).stdout
+        if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+            break
+        time.sleep(2)
+    logs = subprocess.run([ray_bin, "job", "logs", "--address", ray_session.dashboard_url, job_id],
+                          capture_output=True, text=True, timeout=60, env=env).stdout
+    assert "SUCCEEDED" in status, status + logs[-3000:]
+    assert (tmp_path / "job" / "checkpoint_000004" / "meta.json").exists()
+    assert len(log_lines(logs, STEP_LINE)) == 4
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("raychat: error:")]
+    assert len(lines) == 1, result.stderr[-2000:]
+    return lines[0]
+
+
+def test_bad_input_fails_fast_with_one_line(ray_session, tiny_corpus, tmp_path):
+    data_dir, tokenizer_dir = tiny_corpus
+    # Impossible batch arithmetic: the total batch is not a whole number of rows.
+    line = one_error_line(run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "bad",
+                                                            "--total-batch-size", "1000")))
+    assert "--total-batch-size" in line
+    # Storage path that cannot be written.
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    line = one_error_line(run_train(ray_session, tiny_flags(tiny_corpus, blocker / "runs", "bad")))
+    assert "--storage-path" in line
+    # No corpus and no way to make one: the data dir is a file.
+    flags = tiny_flags(tiny_corpus, tmp_path, "bad")
+    flags[flags.index("--data-dir") + 1] = str(blocker)
+    line = one_error_line(run_train(ray_session, flags))
+    assert str(blocker) in line
+    # A corrupt shard is named.
+    broken = tmp_path / "broken_data"
+    shutil.copytree(data_dir, broken)
+    victim = sorted(broken.glob("shard_*.parquet"))[1]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    flags = tiny_flags(tiny_corpus, tmp_path, "bad")
+    flags[flags.index("--data-dir") + 1] = str(broken)
+    line = one_error_line(run_train(ray_session, flags))
+    assert victim.name in line
+
+
+def test_wrong_tokenizer_nan_loss_and_damaged_checkpoint(ray_session, tiny_corpus, tmp_path):
+    from raychat.tokenizer import train_tokenizer
+
+    data_dir, _ = tiny_corpus
+    base = ["--num-workers", "1", "--total-batch-size", "512", "--eval-every", "-1", "--save-every", "3"]
+    first = run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "run", *base, "--num-iterations", "6"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+    # Resuming with a tokenizer of another vocabulary is refused, and nothing is overwritten.
+    other_tok = tmp_path / "other_tok"
+    train_tokenizer(data_dir, other_tok, vocab_size=300, log=lambda *_: None)
+    flags = tiny_flags(tiny_corpus, tmp_path, "run", *base, "--num-iterations", "9")
+    flags[flags.index("--tokenizer-dir") + 1] = str(other_tok)
+    line = one_error_line(run_train(ray_session, flags))
+    assert "vocab" in line and "checkpoint_000006" in line
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+    # A damaged newest checkpoint is skipped for the previous one.
+    newest = run_dir / "checkpoint_000006"
+    biggest = max((p for p in newest.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[:100])
+    resumed = run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "run", *base, "--num-iterations", "9"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "checkpoint_000006" in resumed.stdout + resumed.stderr  # the warning names it
+    assert "at step 3" in resumed.stdout
+
+    # NaN loss: stop with the step named; the last good checkpoint stays.
+    exploding = tiny_flags(tiny_corpus, tmp_path, "nan", *base, "--num-iterations", "12",
+                           "--embedding-lr", "1e30", "--unembedding-lr", "1e30", "--matrix-lr", "1e30")
+    line = one_error_line(run_train(ray_session, exploding))
+    assert re.search(r"NaN/inf at step \d+", line)

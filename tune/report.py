@@ -1,0 +1,415 @@
+"""`python -m tune.report --name S`: what a sweep found, as a table (printed and CSV) and plots (PNG).
+
+Reads the sweep's Ray Tune experiment directory as it lies in storage (local or s3://...), with
+plain JSON parsing only, so it works while the sweep is still running, after it was interrupted,
+and on a copy of the directory on a laptop without the cluster:
+
+  <storage>/<name>/raychat_sweep.json         the grid the sweep was started with (tune.sweep)
+  <storage>/<name>/experiment_state-*.json    Tune's trial states (the newest file wins)
+  <storage>/<name>/<trial>/params.json        the trial's config: {"trial": spec}
+  <storage>/<name>/<trial>/result.json        one JSON line per ray.train.report of rank 0
+  <storage>/<name>/runs/<trial>/...           the trial's raychat run (checkpoints)
+
+Plots: val bpb against FLOPs spent, one colour per depth (every eval of every trial); and for
+iso-FLOP sweeps the iso-FLOP valleys with their parabola fits and the power laws of the optimal
+model size and token count against compute (tune/fit.py does the numbers).
+"""
+
+import argparse
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from raychat.common import RaychatError, default_storage_path, run_cli
+from tune.fit import ComputeOptimal, compute_optimal
+
+SWEEP_SPEC_FILE = "raychat_sweep.json"  # written by tune.sweep before Tune starts
+TRAIN_RUNS_DIR = "runs"  # the trials' raychat runs, inside the experiment directory
+
+COLUMNS = ["trial", "status", "depth", "width", "target_ratio", "flops_budget", "scaling_params",
+           "total_params", "flops_per_token", "tokens", "tokens_per_param", "total_flops", "val_bpb",
+           "wall_time_s"]
+
+
+def resolve_storage(storage_path: str = "") -> str:
+    """--storage-path as Ray wants it: an absolute local path or a URI (default: raychat's runs dir)."""
+    storage = storage_path or str(default_storage_path())
+    if "://" not in storage:
+        storage = str(Path(storage).expanduser().resolve())
+    return storage.rstrip("/")
+
+
+def experiment_path(name: str, storage_path: str = "") -> str:
+    """<storage>/<name>: where the sweep `name` lives."""
+    return f"{resolve_storage(storage_path)}/{name}"
+
+
+@dataclass
+class Trial:
+    name: str
+    status: str  # finished | stopped early | error | running | pending | paused | not started | unknown
+    spec: dict[str, Any]  # the trial spec tune.sweep built: depth, ratio, flops_budget, plan, ...
+    results: list[dict[str, Any]] = field(default_factory=list)  # in report order
+
+    def last(self, key: str) -> Any:
+        """The latest reported value of `key` (None if never reported)."""
+        for result in reversed(self.results):
+            if result.get(key) is not None:
+                return result[key]
+        return None
+
+
+class SweepDir:
+    """A sweep's directory, local or a URI, through pyarrow's filesystems (what Ray itself uses)."""
+
+    def __init__(self, path: str):
+        if "://" not in path:
+            path = str(Path(path).expanduser().resolve())
+        try:
+            self.fs, self.root = pafs.FileSystem.from_uri(path)
+        except Exception as e:  # pyarrow raises several types for bad URIs / missing credentials
+            raise RaychatError(f"cannot open sweep directory {path}: {e}") from None
+        self.path = path
+
+    def exists(self, rel: str = "") -> bool:
+        return self.fs.get_file_info(self._join(rel)).type != pafs.FileType.NotFound
+
+    def list(self, rel: str = "") -> list[pafs.FileInfo]:
+        return self.fs.get_file_info(pafs.FileSelector(self._join(rel)))
+
+    def read_text(self, rel: str) -> str:
+        with self.fs.open_input_stream(self._join(rel)) as f:
+            return f.read().decode("utf-8")
+
+    def write_text(self, rel: str, text: str) -> None:
+        self.fs.create_dir(self.root, recursive=True)
+        with self.fs.open_output_stream(self._join(rel)) as f:
+            f.write(text.encode("utf-8"))
+
+    def _join(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+
+def _trial_states(storage: SweepDir) -> dict[str, str]:
+    """Trial directory name -> Tune status, from the newest experiment state (JSON, never unpickled)."""
+    states = sorted(info.base_name for info in storage.list()
+                    if info.base_name.startswith("experiment_state-") and info.base_name.endswith(".json"))
+    if not states:
+        return {}
+    state = json.loads(storage.read_text(states[-1]))
+    statuses = {}
+    for trial_json, _runtime in state.get("trial_data", []):
+        trial = json.loads(trial_json)
+        statuses[trial.get("relative_logdir") or trial.get("custom_dirname")] = trial["status"]
+    return statuses
+
+
+def _status(tune_status: str | None, results: list[dict[str, Any]]) -> str:
+    if tune_status is None:
+        return "unknown"
+    if tune_status == "TERMINATED":
+        # A trial Tune ended before its last step was stopped by the scheduler (--asha).
+        return "finished" if any(r.get("train_done") for r in results) else "stopped early"
+    return tune_status.lower()
+
+
+def load_sweep(path: str) -> list[Trial]:
+    """Every trial of the sweep at `path`, in the order the sweep defined them."""
+    storage = SweepDir(path)
+    if not storage.exists():
+        raise RaychatError(f"no sweep at {path}: check --name and --storage-path (the sweep prints "
+                           "its directory when it starts)")
+    specs: dict[str, dict[str, Any]] = {}
+    if storage.exists(SWEEP_SPEC_FILE):
+        specs = {t["name"]: t for t in json.loads(storage.read_text(SWEEP_SPEC_FILE))["trials"]}
+    statuses = _trial_states(storage)
+    found: dict[str, Trial] = {}
+    for info in storage.list():
+        if info.type != pafs.FileType.Directory or not storage.exists(f"{info.base_name}/params.json"):
+            continue
+        spec = json.loads(storage.read_text(f"{info.base_name}/params.json")).get("trial")
+        if not isinstance(spec, dict) or "name" not in spec:
+            continue  # not a tune.sweep trial
+        results = []
+        if storage.exists(f"{info.base_name}/result.json"):
+            results = [json.loads(line) for line in storage.read_text(f"{info.base_name}/result.json")
+                       .splitlines() if line.strip()]
+        status = _status(statuses.get(info.base_name), results)
+        found[spec["name"]] = Trial(spec["name"], status, spec, results)
+    if not found and not specs:
+        raise RaychatError(f"{path} holds no tune.sweep trials: is it the directory of a sweep started "
+                           "with `python -m tune.sweep`?")
+    order = list(specs) + sorted(set(found) - set(specs))
+    return [found.get(name) or Trial(name, "not started", specs[name]) for name in order]
+
+
+def trial_row(trial: Trial) -> dict[str, Any]:
+    """One table row. Model numbers come from the plan the sweep resolved; tokens, FLOPs and val bpb
+    from what the trial reported last (a stopped or unfinished trial shows how far it got)."""
+    plan = trial.spec.get("plan", {})
+    tokens = trial.last("total_tokens") or 0
+    flops = trial.last("flops_so_far")
+    if flops is None and plan.get("flops_per_token"):
+        flops = tokens * plan["flops_per_token"]
+    scaling = plan.get("scaling_params")
+    return {
+        "trial": trial.name,
+        "status": trial.status,
+        "depth": trial.spec.get("depth"),
+        "width": plan.get("n_embd"),
+        "target_ratio": trial.spec.get("ratio"),
+        "flops_budget": trial.spec.get("flops_budget"),
+        "scaling_params": scaling,
+        "total_params": plan.get("total_params"),
+        "flops_per_token": plan.get("flops_per_token"),
+        "tokens": tokens,
+        "tokens_per_param": tokens / scaling if scaling else None,
+        "total_flops": flops or 0,
+        "val_bpb": trial.last("val_bpb"),
+        "wall_time_s": trial.last("time_total_s"),
+    }
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: ("" if row.get(k) is None else row[k]) for k in COLUMNS} for row in rows)
+
+
+def _si(x: float | None) -> str:
+    """12345678 -> 12.3M: counts readable at a glance."""
+    if x is None:
+        return "-"
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _sci(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    headers = ["trial", "status", "depth", "width", "params", "params total", "FLOPs/tok", "tokens",
+               "tok:param", "FLOPs", "val bpb", "wall"]
+    body = []
+    for r in rows:
+        body.append([
+            r["trial"], r["status"], str(r["depth"]), str(r["width"] or "-"), _si(r["scaling_params"]),
+            _si(r["total_params"]), _si(r["flops_per_token"]), _si(r["tokens"]),
+            "-" if r["tokens_per_param"] is None else f"{r['tokens_per_param']:.3g}", _sci(r["total_flops"]),
+            "-" if r["val_bpb"] is None else f"{r['val_bpb']:.4f}",
+            "-" if r["wall_time_s"] is None else f"{r['wall_time_s'] / 60:.1f}m",
+        ])
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)).rstrip() for b in body]
+    return "\n".join(lines)
+
+
+def iso_flop_points(rows: list[dict[str, Any]]) -> list[tuple[float, float, float, float]]:
+    """(budget, N, D, val bpb) of the finished iso-FLOP trials: only they spent their whole budget."""
+    return [(r["flops_budget"], r["scaling_params"], r["tokens"], r["val_bpb"]) for r in rows
+            if r["flops_budget"] and r["status"] == "finished" and r["val_bpb"] is not None
+            and r["scaling_params"] and r["tokens"]]
+
+
+def format_compute_optimal(result: ComputeOptimal) -> str:
+    lines = ["Compute-optimal model per FLOPs budget (parabola of val bpb in ln N; N = scaling params):",
+             f"  {'budget':<10}{'N_opt':<10}{'D_opt':<10}{'D/N':<8}{'val bpb':<10}{'fit R^2':<9}"
+             f"{'trials':<8}source"]
+    for o in result.optima:
+        r2 = "-" if o.r2 is None else f"{o.r2:.4f}"
+        lines.append(f"  {o.flops:<10.3g}{_si(o.params):<10}{_si(o.tokens):<10}{o.ratio:<8.1f}"
+                     f"{o.val_bpb:<10.4f}{r2:<9}{o.num_points:<8}{o.source}")
+    for o in result.optima:
+        if o.source == "extrapolated":
+            side = "smaller" if o.params < o.params_tried[0] else "larger"
+            lines.append(f"  note: at {o.flops:.3g} the valley's bottom lies outside the depths tried: add "
+                         f"{side} depths for a measured optimum")
+        elif o.source == "best point":
+            lines.append(f"  note: at {o.flops:.3g} no valley ({o.num_points} trials): the best trial is "
+                         "shown; use at least 3 depths that bracket the optimum")
+    if result.params_law is None or result.tokens_law is None:
+        lines.append("Power laws need at least 2 budgets with a fitted valley.")
+        return "\n".join(lines)
+    a, b = result.params_law, result.tokens_law
+
+    def quality(law) -> str:
+        return (f"R^2 {law.r2:.4f}" if law.r2 is not None
+                else f"{law.num_points} budgets: exact through the points, no fit quality")
+
+    per_budget = ", ".join(f"{o.ratio:.1f}" for o in result.optima if o.source != "best point")
+    ratios = [o.ratio for o in result.optima if o.source != "best point"]
+    mean = sum(ratios) / len(ratios)
+    std = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (len(ratios) - 1)) if len(ratios) > 1 else 0.0
+    lines += [
+        f"Power laws: N_opt ~ C^{a.exponent:.3f} ({quality(a)}),  D_opt ~ C^{b.exponent:.3f} ({quality(b)})",
+        f"Compute-optimal tokens:params ratio: {result.ratio_at_reference:.1f} at C = "
+        f"{result.reference_flops:.3g} (ratio ~ C^{result.ratio_exponent:+.3f}; "
+        f"0 = the same ratio at every budget)",
+        f"  per budget: {per_budget} (mean {mean:.1f} +- {std:.1f}); use it as --target-param-data-ratio",
+    ]
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; works without a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _major_labels_only(ax) -> None:
+    """Log axes spanning less than a decade label every minor tick, and the labels collide."""
+    from matplotlib.ticker import NullFormatter
+
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def plot_bpb_vs_flops(trials: list[Trial], path: Path) -> None:
+    """Every eval of every trial: val bpb against FLOPs spent so far, one colour per depth."""
+    plt = _pyplot()
+    depths = sorted({t.spec["depth"] for t in trials})
+    colors = dict(zip(depths, plt.cm.viridis([i / max(1, len(depths) - 1) * 0.9 for i in range(len(depths))]),
+                      strict=True))
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    labelled = set()
+    for t in trials:
+        evals = [(r["flops_so_far"], r["val_bpb"]) for r in t.results
+                 if r.get("val_bpb") is not None and r.get("flops_so_far")]
+        if not evals:
+            continue
+        depth = t.spec["depth"]
+        xs, ys = zip(*evals, strict=True)
+        label = None if depth in labelled else f"d{depth}"
+        labelled.add(depth)
+        ax.plot(xs, ys, "-", color=colors[depth], alpha=0.5, linewidth=1)
+        ax.plot(xs[-1:], ys[-1:], "o", color=colors[depth], markersize=7, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("training FLOPs")
+    ax.set_ylabel("validation bits per byte")
+    ax.set_title("val bpb vs compute (lines: evals during training; dots: last eval)")
+    ax.grid(True, which="both", alpha=0.3)
+    _major_labels_only(ax)
+    if labelled:
+        ax.legend(title="depth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_iso_flop(points: list[tuple[float, float, float, float]], result: ComputeOptimal,
+                  path: Path) -> None:
+    """Iso-FLOP valleys with their parabolas, then N_opt and D_opt against compute with the power laws."""
+    import numpy as np
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    budgets = [o.flops for o in result.optima]
+    colors = plt.cm.plasma([i / max(1, len(budgets) - 1) * 0.85 for i in range(len(budgets))])
+    ax = axes[0]
+    for o, color in zip(result.optima, colors, strict=True):
+        pts = sorted((n, bpb) for c, n, _, bpb in points if c == o.flops)
+        ns, bpbs = zip(*pts, strict=True)
+        ax.plot(ns, bpbs, "o", color=color, label=f"{o.flops:.2g}")
+        if o.coeffs is not None:
+            lo, hi = math.log(min(*ns, o.params)) - 0.2, math.log(max(*ns, o.params)) + 0.2
+            x = np.linspace(lo, hi, 100)
+            ax.plot(np.exp(x), np.polyval(o.coeffs, x), "--", color=color)
+        ax.plot([o.params], [o.val_bpb], "*", color=color, markersize=16, markeredgecolor="black")
+    ax.set_xscale("log")
+    ax.set_xlabel("scaling parameters N")
+    ax.set_ylabel("final val bpb")
+    ax.set_title("iso-FLOP valleys (stars: optimum per budget)")
+    ax.legend(title="FLOPs")
+    for ax, attr, law, name in ((axes[1], "params", result.params_law, "N_opt"),
+                                (axes[2], "tokens", result.tokens_law, "D_opt")):
+        ax.loglog(budgets, [getattr(o, attr) for o in result.optima], "o", markersize=9)
+        if law is not None:
+            c = np.logspace(math.log10(min(budgets)) - 0.3, math.log10(max(budgets)) + 0.3, 50)
+            r2 = "" if law.r2 is None else f", R^2 {law.r2:.3f}"
+            ax.loglog(c, law(c), "r--", label=f"{name} ~ C^{law.exponent:.3f}{r2}")
+            ax.legend()
+        ax.set_xlabel("training FLOPs C")
+        ax.set_ylabel(f"{name} ({'parameters' if attr == 'params' else 'tokens'})")
+        ax.set_title(f"compute-optimal {'model size' if attr == 'params' else 'training tokens'}")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        _major_labels_only(ax)
+    if result.ratio_at_reference is not None:
+        fig.suptitle(f"compute-optimal tokens:params ratio {result.ratio_at_reference:.1f} "
+                     f"at C = {result.reference_flops:.2g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(path: str, out_dir: Path, log=print) -> list[dict[str, Any]]:
+    """Table (printed + trials.csv) and plots of the sweep at `path`, written to `out_dir`."""
+    trials = load_sweep(path)
+    rows = [trial_row(t) for t in trials]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log(f"Sweep {path}: {len(rows)} trials")
+    log(format_table(rows))
+    write_csv(rows, out_dir / "trials.csv")
+    written = [out_dir / "trials.csv"]
+    if any(t.results for t in trials):
+        plot_bpb_vs_flops(trials, out_dir / "val_bpb_vs_flops.png")
+        written.append(out_dir / "val_bpb_vs_flops.png")
+    points = iso_flop_points(rows)
+    if points:
+        result = compute_optimal(points)
+        log(format_compute_optimal(result))
+        with open(out_dir / "compute_optimal.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["flops_budget", "params_opt", "tokens_opt", "ratio", "val_bpb", "fit_r2",
+                             "trials", "source"])
+            for o in result.optima:
+                writer.writerow([o.flops, o.params, o.tokens, o.ratio, o.val_bpb,
+                                 "" if o.r2 is None else o.r2, o.num_points, o.source])
+        plot_iso_flop(points, result, out_dir / "iso_flop.png")
+        written += [out_dir / "compute_optimal.csv", out_dir / "iso_flop.png"]
+    log("Wrote " + ", ".join(str(p) for p in written))
+    return rows
+
+
+def default_out_dir(path: str, name: str) -> Path:
+    """Beside the trials when the sweep is on local disk, else ./<name>-report."""
+    return Path(path) / "report" if "://" not in path else Path(f"{name}-report")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tune.report",
+        description="Summarise a tune.sweep: a table of every trial (printed and trials.csv) and "
+                    "plots: val bpb vs training FLOPs per depth, and for iso-FLOP sweeps (--flops) the "
+                    "compute-optimal model size and tokens per budget, their power laws and the "
+                    "tokens:params ratio they imply.",
+        epilog="example:\n  python -m tune.report --name scaling --storage-path s3://bucket/raychat\n"
+               "Works while the sweep runs, after it was interrupted, and on a copied directory.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--name", required=True, help="the sweep's --name")
+    parser.add_argument("--storage-path", default="",
+                        help="the sweep's --storage-path (default: $RAYCHAT_HOME/runs)")
+    parser.add_argument("--out", default="", help="where to write the CSV and PNG files (default: "
+                        "<storage>/<name>/report for a local sweep, ./<name>-report otherwise)")
+    args = parser.parse_args(argv)
+    path = experiment_path(args.name, args.storage_path)
+    write_report(path, Path(args.out) if args.out else default_out_dir(path, args.name))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
