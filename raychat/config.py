@@ -23,7 +23,8 @@ class TrainConfig:
     # --- model ---
     depth: int = _flag(20, "number of transformer layers; the one dial that sets model size and, "
                        "through the scaling rules, horizon, batch size, learning rates", "model")
-    aspect_ratio: int = _flag(64, "model_dim = depth * aspect_ratio (rounded up to a multiple of head_dim)", "model")
+    aspect_ratio: int = _flag(64, "model_dim = depth * aspect_ratio (rounded up to a multiple of head_dim)",
+                              "model")
     head_dim: int = _flag(128, "attention head dimension; n_head = model_dim // head_dim", "model")
     max_seq_len: int = _flag(2048, "context length T in tokens", "model")
     window_pattern: str = _flag("SSSL", "sliding-window pattern tiled over layers: L = full context, "
@@ -45,11 +46,12 @@ class TrainConfig:
     weight_decay: float = _flag(0.28, "Muon cautious weight decay at d12 (scaled with batch and horizon)",
                                 "optimization")
     warmup_steps: int = _flag(40, "linear learning-rate warmup steps", "optimization")
-    warmdown_ratio: float = _flag(0.65, "fraction of steps spent in the final linear warmdown", "optimization")
+    warmdown_ratio: float = _flag(0.65, "fraction of steps spent in the final linear warmdown",
+                                  "optimization")
     final_lr_frac: float = _flag(0.05, "learning rate at the end, as a fraction of the peak", "optimization")
     seed: int = _flag(42, "seed for weight init and the optional corpus shuffle", "optimization")
-    compile: str = _flag("auto", "torch.compile the model: auto (on for CUDA, off on CPU), on, off", "optimization",
-                         choices=("auto", "on", "off"))
+    compile: str = _flag("auto", "torch.compile the model: auto (on for CUDA, off on CPU), on, off",
+                         "optimization", choices=("auto", "on", "off"))
     # --- evaluation and output ---
     eval_every: int = _flag(250, "evaluate validation bits-per-byte every N steps (-1 = only at the end)",
                             "evaluation")
@@ -87,7 +89,8 @@ class TrainConfig:
         positive = ["depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "vocab_size"]
         for name in positive:
             if getattr(self, name) < 1:
-                raise RaychatError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                flag = "--" + name.replace("_", "-")
+                raise RaychatError(f"{flag} must be at least 1, got {getattr(self, name)}")
         if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
             raise RaychatError(f"--window-pattern must be letters S and L (e.g. SSSL or L), "
                                f"got {self.window_pattern!r}")
@@ -95,7 +98,8 @@ class TrainConfig:
             raise RaychatError("no training horizon: set --num-iterations, --target-flops or "
                                "--target-param-data-ratio to a positive value")
         if self.total_batch_size != -1 and self.total_batch_size < 1:
-            raise RaychatError(f"--total-batch-size must be positive or -1 (auto), got {self.total_batch_size}")
+            raise RaychatError(f"--total-batch-size must be positive or -1 (auto), "
+                               f"got {self.total_batch_size}")
         if not 0 <= self.warmdown_ratio <= 1:
             raise RaychatError(f"--warmdown-ratio must be within [0, 1], got {self.warmdown_ratio}")
         self.worker_range()  # raises on a malformed --num-workers

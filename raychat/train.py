@@ -30,6 +30,7 @@ from raychat.common import (
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.corpus import prepare_default_corpus, validate_corpus
 from raychat.scaling import format_plan, resolve_plan
+from raychat.stop_note import clear_stop_note, read_stop_note
 from raychat.tokenizer import Tokenizer, check_vocab, train_tokenizer
 from raychat.worker import train_loop_per_worker
 
@@ -148,6 +149,7 @@ def build_trainer(cfg: TrainConfig, *, run_config_overrides: dict | None = None,
             "data_dir": paths.data_dir,
             "tokenizer_dir": paths.tokenizer_dir,
             "run_dir": paths.run_dir,
+            "storage_path": paths.storage_path,
         },
         scaling_config=scaling,
         run_config=RunConfig(**run_kwargs),
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     connect_ray(max_workers)
     trainer = build_trainer(cfg)
+    clear_stop_note(paths.storage_path, cfg.name)
     t0 = time.time()
     try:
         result = trainer.fit()
@@ -206,11 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         if user_error is not None:
             raise user_error from None
         raise
-    metrics = result.metrics or {}
-    if metrics.get("nan_step") is not None:
-        raise RaychatError(f"loss became NaN/inf at step {metrics['nan_step']}: training stopped; the last "
-                           f"good checkpoint is kept in {paths.run_dir or paths.storage_path} (lower the "
+    stop = read_stop_note(paths.storage_path, cfg.name)
+    if stop is not None:
+        raise RaychatError(f"loss became NaN/inf at step {stop['step']}: training stopped; the last good "
+                           f"checkpoint is kept in {paths.run_dir or paths.storage_path} (lower the "
                            "learning rates or check the data, then re-run to resume)")
+    metrics = result.metrics or {}
     print("Training done.", flush=True)
     print(f"  min val bpb     : {metrics.get('min_val_bpb', float('nan')):.6f}")
     print(f"  steps           : {metrics.get('step', 0):,}")

@@ -44,6 +44,7 @@ from raychat.scaling import (
     rank_rows,
     resolve_plan,
 )
+from raychat.stop_note import write_stop_note
 from raychat.tokenizer import Tokenizer, check_vocab
 
 
@@ -114,10 +115,10 @@ def _peak_memory_mib(device: torch.device) -> float:
 def _trace_consumed(trace_dir: str, attempt: str, step: int, rank: int, world_size: int,
                     ids: list[tuple[int, int, int]]) -> None:
     """Test hook ($RAYCHAT_TRACE_DIR): append the documents this rank trained on at `step`."""
-    path = Path(trace_dir) / f"{attempt}_rank{rank}.jsonl"
+    path = Path(trace_dir) / f"{attempt}_rank{rank}_{os.getpid()}.jsonl"
     with path.open("a") as f:
         f.write(json.dumps({"attempt": attempt, "step": step, "rank": rank, "world_size": world_size,
-                            "ids": [list(i) for i in ids]}) + "\n")
+                            "pid": os.getpid(), "ids": [list(i) for i in ids]}) + "\n")
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -172,7 +173,8 @@ def train_loop_per_worker(config: dict) -> None:
             f"(saved by {meta['world_size']} workers, now {world_size})")
 
     index = CorpusIndex.load(data_dir)
-    loader = TrainLoader(index, tokenizer_dir, T, rank, world_size, cursor=cursor)
+    loader = TrainLoader(index, tokenizer_dir, T, rank, world_size, cursor=cursor,
+                         record_consumed=bool(trace_dir))
     num_iterations = plan.num_iterations
     my_rows = rank_rows(plan.rows_per_step, world_size, rank)
     micro_sizes = micro_batch_sizes(my_rows, cfg.device_batch_size)
@@ -197,7 +199,8 @@ def train_loop_per_worker(config: dict) -> None:
     pending_dir: Path | None = None
     eval_rows = cfg.device_batch_size
     eval_batches_count = max(1, cfg.eval_tokens // (eval_rows * T * world_size))
-    attempt = f"{int(time.time() * 1000)}_{os.getpid()}"
+    # One id per start of the worker group (rank 0's), so a trace can tell redone steps apart.
+    attempt = _all_gather_objects(f"{time.time():.3f}", world_size)[0] if trace_dir else ""
     first_step_of_attempt = step
     log(f"Training {num_iterations} steps on {world_size} worker(s), {my_rows} rows/step on rank 0 "
         f"in micro-batches {micro_sizes}, device {device}")
@@ -212,6 +215,7 @@ def train_loop_per_worker(config: dict) -> None:
             batches = val_loader(index, tokenizer_dir, T, eval_rows, rank, world_size)
             limited = (b for _, b in zip(range(eval_batches_count), batches, strict=False))
             loop.val_bpb = evaluate_bpb(model, limited, token_bytes, device)
+            batches.close()  # stops the val reader thread until the next evaluation
             loop.min_val_bpb = min(loop.min_val_bpb, loop.val_bpb)
             log(format_val_line(step, loop.val_bpb))
             metrics["val_bpb"] = loop.val_bpb
@@ -312,8 +316,8 @@ def train_loop_per_worker(config: dict) -> None:
         if not math.isfinite(train_loss):
             # Every rank sees the same global loss, so all stop together; the last good checkpoint stays.
             log(f"Loss is {train_loss} at step {step}: stopping")
-            ray.train.report({"step": step, "nan_step": step, "world_size": world_size,
-                              "train_done": True})
+            if master:
+                write_stop_note(config["storage_path"], cfg.name, {"reason": "nan", "step": step})
             break
 
         # Logging (host-side only).

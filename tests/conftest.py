@@ -6,6 +6,7 @@ tested against it), on free ports and its own temp dir, so parallel test runs ne
 teardown stops exactly the processes this session started.
 """
 
+import contextlib
 import os
 import shutil
 import signal
@@ -59,16 +60,12 @@ def _stop_processes_under(marker: str) -> None:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
     _, alive = psutil.wait_procs(procs, timeout=10)
     for p in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 class RayCluster:

@@ -17,7 +17,8 @@ import torch
 pytestmark = pytest.mark.ray
 
 STEP_LINE = re.compile(
-    r"step (\d{5})/(\d{5}) \((\d+\.\d{2})%\) \| loss: (\d+\.\d{6}) \| lrm: (\d\.\d{2}) \| dt: (\d+\.\d{2})ms \| "
+    r"step (\d{5})/(\d{5}) \((\d+\.\d{2})%\) \| loss: (\d+\.\d{6}) \| lrm: (\d\.\d{2}) \| "
+    r"dt: (\d+\.\d{2})ms \| "
     r"tok/sec: ([\d,]+) \| bf16_mfu: n/a \| epoch: (\d+) pq: (\d+) rg: (\d+) \| total time: (\d+\.\d{2})m"
     r"( \| eta: \d+\.\dm)?$"
 )
@@ -58,15 +59,15 @@ def final_model_state(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def read_trace(trace_dir: Path) -> dict[int, list[tuple[int, int, int]]]:
-    """step -> doc ids trained at that step, keeping for each step the latest attempt that ran it
-    (a step redone after a restore supersedes the lost attempt's record)."""
+    """step -> doc ids trained at that step (all ranks), keeping for each step the latest attempt
+    that ran it: a step redone after a restore supersedes the lost attempt's records."""
     by_step: dict[int, dict[str, list]] = {}
     for path in sorted(trace_dir.glob("*.jsonl")):
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             by_step.setdefault(rec["step"], {}).setdefault(rec["attempt"], []).extend(
                 tuple(i) for i in rec["ids"])
-    return {step: attempts[max(attempts)] for step, attempts in by_step.items()}
+    return {step: attempts[max(attempts, key=float)] for step, attempts in by_step.items()}
 
 
 def test_two_workers_learn_log_and_checkpoint(ray_session, tiny_corpus, tmp_path):
@@ -83,14 +84,14 @@ def test_two_workers_learn_log_and_checkpoint(ray_session, tiny_corpus, tmp_path
     vals = log_lines(out, VAL_LINE)
     assert [int(m.group(1)) for m in vals] == [0, 8, 16]
     bpbs = [float(m.group(2)) for m in vals]
-    assert bpbs[-1] < bpbs[0] - 0.3, bpbs  # it learns
+    assert bpbs[0] > bpbs[1] > bpbs[2] and bpbs[2] < bpbs[0] - 0.1, bpbs  # it learns
     # The seven sample prompts are printed at the end.
     assert "The capital of France is" in out and "If 5*x + 3 = 13, then x is" in out
     # Checkpoints at 8 and 16, complete, with the cursor and loop state.
     from raychat.checkpoint import is_complete
 
     run_dir = tmp_path / "basic"
-    ckpts = sorted(p.name for p in run_dir.glob("checkpoint_*"))
+    ckpts = sorted(p.name for p in run_dir.glob("checkpoint_*") if p.is_dir())
     assert ckpts == ["checkpoint_000008", "checkpoint_000016"]
     assert all(is_complete(run_dir / c) for c in ckpts)
     meta = json.loads((run_dir / "checkpoint_000016" / "meta.json").read_text())
@@ -124,10 +125,10 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path)
         victim = None
         deadline = time.time() + 300
         while victim is None and time.time() < deadline and crashed.poll() is None:
-            for path in trace.glob("*_rank1.jsonl"):
+            for path in trace.glob("*_rank1_*.jsonl"):
                 records = [json.loads(line) for line in path.read_text().splitlines()]
                 if records and records[-1]["step"] >= 9:
-                    victim = int(records[-1]["attempt"].split("_")[1])
+                    victim = records[-1]["pid"]
             time.sleep(0.2)
         assert victim is not None, "rank 1 never reached step 9"
         os.kill(victim, signal.SIGKILL)
@@ -149,32 +150,43 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path)
 
 def test_resize_two_to_one_consumes_every_doc_once(ray_session, tiny_corpus, tmp_path):
     from raychat.corpus import CorpusIndex
-    from raychat.cursor import cursor_doc_ids
+    from raychat.cursor import UnitSchedule, expand
 
     data_dir, _ = tiny_corpus
     trace = tmp_path / "trace"
     trace.mkdir()
     common = ["--total-batch-size", "2048", "--eval-every", "-1", "--save-every", "-1"]
     first = run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "resize", "--num-workers", "2",
-                                              "--num-iterations", "8", *common),
+                                              "--num-iterations", "6", *common),
                       RAYCHAT_TRACE_DIR=str(trace))
     assert first.returncode == 0, first.stderr[-3000:]
     second = run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "resize", "--num-workers", "1",
-                                               "--num-iterations", "30", *common),
+                                               "--num-iterations", "24", *common),
                        RAYCHAT_TRACE_DIR=str(trace))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "saved by 2 workers, now 1" in second.stdout
 
     consumed = [doc for ids in read_trace(trace).values() for doc in ids]
     assert len(consumed) == len(set(consumed)), "a document was trained on twice"
+    # Epoch 1 (epochs count from 1, as in the log line) must be fully accounted for: every document
+    # trained on exactly once, or still in flight in the final cursor (a long document can wait in
+    # the packer's buffer), none lost.
     index = CorpusIndex.load(data_dir)
-    all_epoch0 = {(0, unit.index, row) for unit in index.train for row in range(unit.num_rows)}
-    assert max(epoch for epoch, _, _ in consumed) >= 1, "the run should pass the end of epoch 0"
-    meta = json.loads(next((tmp_path / "resize").glob("checkpoint_000030")).joinpath("meta.json").read_text())
-    in_flight = {d for d in cursor_doc_ids(meta["cursor"]) if d[0] == 0}
-    trained0 = {d for d in consumed if d[0] == 0}
-    assert not trained0 & in_flight
-    assert trained0 | in_flight == all_epoch0
+    cursor = json.loads((tmp_path / "resize" / "checkpoint_000024" / "meta.json").read_text())["cursor"]
+    assert cursor["frontier"] >= len(index.train), "the run should pass the end of epoch 1"
+    unit_at = UnitSchedule(index, None)
+    owed = set(expand(cursor["in_flight"]))
+    for position in cursor["unstarted"]:
+        epoch, unit, num_rows = unit_at(position)
+        owed |= {(epoch, unit, row) for row in range(num_rows)}
+    epoch1 = {(1, unit.index, row) for unit in index.train for row in range(unit.num_rows)}
+    trained1 = {d for d in consumed if d[0] == 1}
+    owed1 = {d for d in owed if d[0] == 1}
+    assert not trained1 & owed1
+    assert trained1 | owed1 == epoch1
+    # Not all: with T=64 most docstrings are longer than a row, and best-fit keeps long documents
+    # buffered until they are the shortest (nanochat's algorithm).
+    assert len(trained1) > len(epoch1) // 3
 
 
 def test_job_submit_to_running_cluster(ray_session, tiny_corpus, tmp_path):
@@ -194,14 +206,14 @@ def test_job_submit_to_running_cluster(ray_session, tiny_corpus, tmp_path):
     while time.time() < deadline:
         status = subprocess.run([ray_bin, "job", "status", "--address", ray_session.dashboard_url, job_id],
                                 capture_output=True, text=True, timeout=60, env=env).stdout
-        if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+        if any(s in status.upper() for s in ("SUCCEEDED", "FAILED", "STOPPED")):
             break
         time.sleep(2)
     logs = subprocess.run([ray_bin, "job", "logs", "--address", ray_session.dashboard_url, job_id],
                           capture_output=True, text=True, timeout=60, env=env).stdout
-    assert "SUCCEEDED" in status, status + logs[-3000:]
+    assert "SUCCEEDED" in status.upper(), status + logs[-3000:]
     assert (tmp_path / "job" / "checkpoint_000004" / "meta.json").exists()
-    assert len(log_lines(logs, STEP_LINE)) == 4
+    assert {int(m.group(1)) for m in log_lines(logs, STEP_LINE)} == {0, 1, 2, 3}
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:

@@ -32,6 +32,7 @@ from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.plan import plan_vocab_size
 from raychat.scaling import Plan, resolve_plan
+from raychat.stop_note import clear_stop_note, read_stop_note
 from raychat.train import RunPaths, build_trainer, check_storage_writable, connect_ray, prepare_inputs
 from tune.report import (
     SWEEP_SPEC_FILE,
@@ -158,10 +159,12 @@ def run_trial(config: dict) -> None:
     """The Tune trainable: one raychat run, driven from this trial's actor."""
     spec = config["trial"]
     cfg = TrainConfig.from_dict(spec["train_config"])
-    result = build_trainer(cfg, callbacks=[TuneReportCallback()]).fit()
-    nan_step = (result.metrics or {}).get("nan_step")
-    if nan_step is not None:
-        raise RaychatError(f"trial {spec['name']}: loss became NaN/inf at step {nan_step}")
+    paths = RunPaths.resolve(cfg)
+    clear_stop_note(paths.storage_path, cfg.name)
+    build_trainer(cfg, callbacks=[TuneReportCallback()]).fit()
+    stop = read_stop_note(paths.storage_path, cfg.name)
+    if stop is not None:
+        raise RaychatError(f"trial {spec['name']}: loss became NaN/inf at step {stop['step']}")
 
 
 def _trial_dirname(trial) -> str:

@@ -1,0 +1,339 @@
+"""Training-step speed of raychat's model and optimizer: forward + backward + optimizer tokens/sec.
+
+One step is exactly what a raychat worker runs per optimizer step with one worker: the step's rows
+cut into micro-batches of --device-batch-size, loss summed and scaled by the global token count,
+backward, MuonAdamW.step(), zero_grad, one host sync for the loss. Batches are random token ids
+(the speed of a dense step does not depend on which ids they are), so no corpus is needed.
+
+Each (configuration, eager|compile) variant runs in a fresh Python process, so compile time, the
+inductor cache (a fresh one per invocation: cold; with --warm a second compiled run reuses it) and
+peak RSS belong to that variant alone. Per variant it prints: steady-state tokens/sec (median step,
+first --warmup steps excluded), the median forward+backward and optimizer-step times, the time from
+launching the process to the end of the first step, and the first step's own duration (for a
+compiled model: mostly compilation).
+
+Ratios printed in the same run: compiled vs eager steady state, and each against nanochat's figures
+on this kind of machine (DESIGN.md, "Reference figures": A 1,370 tok/s, B 780 tok/s, compiled).
+
+    python -m bench.step                         # configurations A and B, eager and compiled (~15 min)
+    python -m bench.step --quick                 # smoke test: a tiny model, 2 steps per variant
+    python -m bench.step --configs A --modes eager --steps 20
+    python -m bench.step --configs d8x16/16384   # depth 8, device batch 16, total batch 16384 tokens
+    python -m bench.step --warm                  # also a compiled run with a warm inductor cache
+
+On a CUDA machine it then measures tokens/sec and MFU at depth 12 and 20 (nanochat's shapes: head
+dim 128, T 2048, window pattern SSSL, auto total batch, bf16, compiled); --gpu-configs chooses.
+"""
+
+import argparse
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from raychat.common import RaychatError, run_cli
+from raychat.config import TrainConfig
+from raychat.flops import mfu, peak_flops
+from raychat.model import build_model, compute_dtype
+from raychat.optim import build_optimizer
+from raychat.scaling import micro_batch_sizes, resolve_plan
+
+# DESIGN.md, "Reference figures": nanochat on 2 cores, torch 2.13.0 CPU, compiled, median tok/s and
+# seconds to the first step with a cold / warm compile cache.
+NANOCHAT_TOK_PER_SEC = {"A": 1370, "B": 780}
+NANOCHAT_FIRST_STEP_S = {"A": (65, 11), "B": (92, 30)}
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # children run `-m bench.step`
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    depth: int
+    device_batch_size: int
+    total_batch_size: int   # tokens per optimizer step; -1 = the scaling rule's auto batch
+    max_seq_len: int = 512
+    head_dim: int = 64
+    window_pattern: str = "L"
+    vocab_size: int = 32768
+
+    def describe(self) -> str:
+        total = "auto" if self.total_batch_size == -1 else f"{self.total_batch_size}"
+        return (f"d{self.depth}, head-dim {self.head_dim}, window {self.window_pattern}, "
+                f"T {self.max_seq_len}, device batch {self.device_batch_size}, total batch {total}, "
+                f"vocab {self.vocab_size}")
+
+
+# DESIGN's reference configurations (A, B); nanochat's GPU shapes for MFU; the --quick stand-ins
+# (two micro-batches per step, so gradient accumulation is exercised too).
+CPU_CONFIGS = {
+    "A": BenchConfig("A", depth=4, device_batch_size=8, total_batch_size=4096),
+    "B": BenchConfig("B", depth=6, device_batch_size=32, total_batch_size=16384),
+}
+GPU_CONFIGS = {
+    "d12": BenchConfig("d12", 12, 32, -1, max_seq_len=2048, head_dim=128, window_pattern="SSSL"),
+    "d20": BenchConfig("d20", 20, 32, -1, max_seq_len=2048, head_dim=128, window_pattern="SSSL"),
+}
+QUICK_CPU = BenchConfig("quick", depth=2, device_batch_size=2, total_batch_size=512, max_seq_len=128,
+                        vocab_size=4096)
+QUICK_GPU = BenchConfig("gpu-quick", 4, 8, 2 * 8 * 2048, max_seq_len=2048, head_dim=128,
+                        window_pattern="SSSL")
+
+CUSTOM_SPEC = re.compile(r"d(\d+)x(\d+)(?:/(\d+))?$")
+
+
+def parse_configs(text: str, named: dict[str, BenchConfig], base: BenchConfig) -> list[BenchConfig]:
+    """Comma-separated names from `named`, or specs dDEPTHxBATCH[/TOTAL] built on `base`'s shape."""
+    configs = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if item in named:
+            configs.append(named[item])
+            continue
+        match = CUSTOM_SPEC.match(item)
+        if not match:
+            raise RaychatError(f"unknown configuration {item!r}: use {', '.join(named)} or a spec like "
+                               "d8x16 (depth 8, device batch 16) or d8x16/16384 (total batch 16384 tokens)")
+        depth, batch = int(match[1]), int(match[2])
+        total = int(match[3]) if match[3] else batch * base.max_seq_len
+        configs.append(replace(base, name=item, depth=depth, device_batch_size=batch, total_batch_size=total))
+    return configs
+
+
+# ----------------------------------------------------------------------------------------------------
+# One variant, in its own process
+
+
+def run_variant(config: BenchConfig, mode: str, device_name: str, steps: int, warmup: int,
+                launched_at: float, log=print) -> dict:
+    """Build the model and optimizer as a raychat worker does, run warmup + steps optimizer steps on
+    random batches, return the timings (seconds) and the first losses."""
+    device = torch.device(device_name)
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    cfg = TrainConfig(depth=config.depth, head_dim=config.head_dim, max_seq_len=config.max_seq_len,
+                      window_pattern=config.window_pattern, device_batch_size=config.device_batch_size,
+                      total_batch_size=config.total_batch_size, vocab_size=config.vocab_size,
+                      num_iterations=1000)
+    plan = resolve_plan(cfg, config.vocab_size)
+    T = config.max_seq_len
+    torch.manual_seed(0)
+    build_start = time.perf_counter()
+    model = build_model(plan.model, device)
+    scale = plan.lr_scale
+    optimizer = build_optimizer(model, embedding_lr=cfg.embedding_lr * scale,
+                                unembedding_lr=cfg.unembedding_lr * scale, matrix_lr=cfg.matrix_lr * scale,
+                                scalar_lr=cfg.scalar_lr * scale, weight_decay=plan.weight_decay)
+    step_model = torch.compile(model, dynamic=False) if mode == "compile" else model
+    sync()
+    build_s = time.perf_counter() - build_start
+
+    rows = plan.rows_per_step
+    slices, offset = [], 0
+    for size in micro_batch_sizes(rows, config.device_batch_size):
+        slices.append(slice(offset, offset + size))
+        offset += size
+    inv_global_tokens = 1.0 / (rows * T)
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):  # alternate two batches so no step can reuse anything of the previous one
+        tokens = torch.randint(0, config.vocab_size, (rows, T + 1), generator=generator)
+        batches.append((tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)))
+
+    def one_step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+        """(forward+backward seconds, optimizer seconds, loss) of one optimizer step."""
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for sl in slices:
+            loss = step_model(x[sl], y[sl], loss_reduction="sum")
+            (loss * inv_global_tokens).backward()
+            loss_sum += loss.detach()
+        sync()
+        middle = time.perf_counter()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        loss_value = loss_sum.item() * inv_global_tokens
+        return middle - start, time.perf_counter() - middle, loss_value
+
+    fwd_bwd, optim, losses = [], [], []
+    first_step_s = first_step_done_at = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            usage_before = resource.getrusage(resource.RUSAGE_SELF)
+        f, o, loss = one_step(*batches[i % 2])
+        if i == 0:
+            first_step_s, first_step_done_at = f + o, time.time()
+            log(f"  {config.name} {mode}: first step {first_step_s:.1f}s, loss {loss:.4f}")
+        if i >= warmup:
+            fwd_bwd.append(f)
+            optim.append(o)
+        losses.append(loss)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    step_s = [f + o for f, o in zip(fwd_bwd, optim, strict=True)]
+    result = {
+        "config": asdict(config), "mode": mode, "device": str(device), "threads": torch.get_num_threads(),
+        "dtype": str(compute_dtype(device)).removeprefix("torch."), "steps": steps,
+        "total_batch_size": plan.total_batch_size, "micro_batches": len(slices),
+        "params": plan.params["total"], "flops_per_token": plan.flops_per_token,
+        "build_s": build_s, "first_step_s": first_step_s, "to_first_step_s": first_step_done_at - launched_at,
+        "step_s_median": statistics.median(step_s), "step_s_min": min(step_s),
+        "fwd_bwd_s_median": statistics.median(fwd_bwd), "optim_s_median": statistics.median(optim),
+        "tok_per_sec": plan.total_batch_size / statistics.median(step_s),
+        "losses": losses[:3], "max_rss_gb": usage.ru_maxrss / 2**20,
+        # CPU seconds and minor page faults per timed step: steadier than wall time on a shared machine,
+        # and system time is where allocation churn (fresh pages for big temporaries) shows
+        "user_s_per_step": (usage.ru_utime - usage_before.ru_utime) / steps,
+        "sys_s_per_step": (usage.ru_stime - usage_before.ru_stime) / steps,
+        "minor_faults_per_step": (usage.ru_minflt - usage_before.ru_minflt) / steps,
+    }
+    if cuda:
+        peak, source = peak_flops(device)
+        result.update(peak_flops=peak, peak_source=source, gpu=torch.cuda.get_device_name(device),
+                      mfu=mfu(plan.flops_per_token, result["tok_per_sec"], peak, 1),
+                      max_cuda_mem_gb=torch.cuda.max_memory_allocated(device) / 2**30)
+    return result
+
+
+def child_main(spec: dict) -> int:
+    if spec["threads"] > 0:
+        torch.set_num_threads(spec["threads"])
+    result = run_variant(BenchConfig(**spec["config"]), spec["mode"], spec["device"], spec["steps"],
+                         spec["warmup"], spec["launched_at"],
+                         log=lambda message: print(message, file=sys.stderr, flush=True))
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def launch(config: BenchConfig, mode: str, device: str, args, cache_dir: str) -> dict:
+    """Run one variant in a fresh interpreter with TORCHINDUCTOR_CACHE_DIR=cache_dir."""
+    spec = {"config": asdict(config), "mode": mode, "device": device, "steps": args.steps,
+            "warmup": args.warmup, "threads": args.threads, "launched_at": time.time()}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    done = subprocess.run([sys.executable, "-m", "bench.step", "--child", json.dumps(spec)], env=env,
+                          stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RaychatError(f"the {config.name} {mode} run failed (exit code {done.returncode}); its error is "
+                           "printed above")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reporting
+
+
+def describe_result(r: dict, cache: str) -> str:
+    step_ms, fb_ms = 1000 * r["step_s_median"], 1000 * r["fwd_bwd_s_median"]
+    opt_ms = 1000 * r["optim_s_median"]
+    line = (f"{r['config']['name']:>5} {r['mode'] + (' (' + cache + ')' if cache else ''):<15} "
+            f"{r['tok_per_sec']:>9,.0f} tok/s | step {step_ms:,.0f} ms = fwd+bwd {fb_ms:,.0f} + optimizer "
+            f"{opt_ms:,.0f} (median of {r['steps']}, min step {1000 * r['step_s_min']:,.0f}) | first step "
+            f"{r['first_step_s']:.1f}s, {r['to_first_step_s']:.1f}s after launch | "
+            f"peak RSS {r['max_rss_gb']:.1f} GB | per step: CPU {r['user_s_per_step']:.2f}s user + "
+            f"{r['sys_s_per_step']:.2f}s system, {r['minor_faults_per_step']:,.0f} page faults")
+    if r.get("mfu") is not None:
+        line += (f" | MFU {r['mfu']:.1f}% of {r['peak_flops'] / 1e12:,.0f} TFLOP/s ({r['peak_source']}, "
+                 f"{r['gpu']}) | {r['max_cuda_mem_gb']:.1f} GiB on the GPU")
+    return line
+
+
+def compare(results: dict[tuple[str, str], dict], name: str) -> list[str]:
+    """Ratios for one configuration: compiled vs eager, each vs nanochat (higher is better)."""
+    lines = []
+    eager, compiled = results.get((name, "eager")), results.get((name, "compile"))
+    if eager and compiled:
+        e, c = eager["tok_per_sec"], compiled["tok_per_sec"]
+        loss_gap = abs(eager["losses"][0] - compiled["losses"][0])
+        lines.append(f"{name:>5} compile vs eager, steady state: {c / e:.2f}x ({c:,.0f} vs {e:,.0f} tok/s); "
+                     f"first-step loss differs by {loss_gap:.2e}")
+    if name in NANOCHAT_TOK_PER_SEC:
+        reference = NANOCHAT_TOK_PER_SEC[name]
+        cold, warm = NANOCHAT_FIRST_STEP_S[name]
+        for mode, r in (("eager", eager), ("compile", compiled)):
+            if r:
+                lines.append(f"{name:>5} raychat {mode} vs nanochat ({reference:,} tok/s, first step after "
+                             f"{cold} s cold / {warm} s warm): {r['tok_per_sec'] / reference:.2f}x tok/s, "
+                             f"first step after {r['to_first_step_s']:.0f} s")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="A,B", help="CPU configurations: A, B (DESIGN's) or specs "
+                        "dDEPTHxBATCH[/TOTAL] at head-dim 64, T 512, window L (default: A,B)")
+    parser.add_argument("--modes", default="eager,compile", help="eager, compile or both (default: both)")
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per variant (default 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, the compiling one "
+                        "included (default 2)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's, every core; "
+                        "what a lone raychat worker sets)")
+    parser.add_argument("--warm", action="store_true", help="also rerun each compiled variant with the "
+                        "inductor cache its cold run filled (time to first step with a warm cache)")
+    parser.add_argument("--gpu-configs", default="d12,d20", help="on a CUDA machine: GPU configurations "
+                        "d12, d20 or specs (head-dim 128, T 2048, SSSL), compiled, bf16; '' to skip")
+    parser.add_argument("--quick", action="store_true", help="smoke test: a tiny model (d2, T 128, vocab "
+                        "4096, 2 micro-batches), 2 timed steps after 1 warm-up")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child_main(json.loads(args.child))
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"eager", "compile"}:
+        raise RaychatError(f"--modes must list eager and/or compile, got {args.modes!r}")
+    if args.steps < 1 or args.warmup < 1:
+        raise RaychatError("--steps and --warmup must be at least 1 (the first step is never timed)")
+    if args.quick:
+        args.steps, args.warmup = 2, 1
+        cpu_configs = [QUICK_CPU]
+        gpu_configs = [QUICK_GPU] if args.gpu_configs else []
+    else:
+        cpu_configs = parse_configs(args.configs, CPU_CONFIGS, CPU_CONFIGS["A"])
+        gpu_configs = parse_configs(args.gpu_configs, GPU_CONFIGS, GPU_CONFIGS["d12"])
+    if not torch.cuda.is_available():
+        gpu_configs = []
+
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads "
+          f"{args.threads or torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}; "
+          f"{args.steps} timed steps after {args.warmup} warm-up per variant", flush=True)
+    results: dict[tuple[str, str], dict] = {}
+    with tempfile.TemporaryDirectory(prefix="raychat_bench_step_") as tmp:
+        for config in cpu_configs:
+            print(f"{config.name}: {config.describe()}", flush=True)
+            cache_dir = os.path.join(tmp, f"inductor_{config.name}")
+            for mode in modes:
+                r = launch(config, mode, "cpu", args, cache_dir)
+                results[(config.name, mode)] = r
+                print(describe_result(r, "cold cache" if mode == "compile" else ""), flush=True)
+                if mode == "compile" and args.warm:
+                    warm = launch(config, mode, "cpu", args, cache_dir)
+                    results[(config.name, "compile-warm")] = warm
+                    print(describe_result(warm, "warm cache"), flush=True)
+        for config in gpu_configs:
+            print(f"{config.name} (cuda): {config.describe()}", flush=True)
+            r = launch(config, "compile", "cuda", args, os.path.join(tmp, f"inductor_{config.name}"))
+            results[(config.name, "compile")] = r
+            print(describe_result(r, "cold cache"), flush=True)
+
+    print("\nRatios (higher is faster):")
+    for config in cpu_configs:
+        for line in compare(results, config.name):
+            print(line)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
