@@ -1,0 +1,42 @@
+"""Every public command explains itself, and the README documents every training flag."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raychat.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = [
+    ["raychat.train"], ["raychat.plan"], ["raychat.sample"], ["raychat.corpus"],
+    ["raychat.tokenizer"], ["tune.sweep"], ["tune.report"],
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_help(command):
+    result = subprocess.run([sys.executable, "-m", *command, "--help"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage:")
+    assert len(result.stdout.splitlines()) > 5  # a description and options, not a bare usage line
+
+
+def test_readme_documents_every_flag():
+    readme = (ROOT / "README.md").read_text()
+    missing = [f.name for f in dataclasses.fields(TrainConfig)
+               if f"`--{f.name.replace('_', '-')}`" not in readme]
+    assert not missing, f"README flag table lacks {missing}"
+
+
+def test_readme_starts_with_the_two_commands_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_command = 'pip install -e ".[dev]" && python -m pytest -q'
+    assert test_command in ci
+    first_block = readme.split("```bash", 1)[1].split("```", 1)[0]
+    assert test_command in first_block
+    assert "python -m raychat.train" in first_block
