@@ -21,16 +21,11 @@ from raychat.tokenizer import Tokenizer, check_vocab
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     if not run_dir.is_dir():
         raise RaychatError(f"no run at {run_dir}: check --run-name and --storage-path")
-    if step is None:
-        latest = latest_valid_checkpoint(run_dir)
-        if latest is None:
-            raise RaychatError(f"run {run_dir} has no complete checkpoint yet")
-        return Path(latest)
-    for candidate in sorted(run_dir.glob("checkpoint_*")):
-        meta = candidate / "meta.json"
-        if meta.exists() and json.loads(meta.read_text()).get("step") == step:
-            return candidate
-    raise RaychatError(f"run {run_dir} has no checkpoint at step {step}: drop --step for the latest")
+    found = latest_valid_checkpoint(run_dir, step=step)
+    if found is None:
+        wanted = "a complete checkpoint" if step is None else f"a complete checkpoint at step {step}"
+        raise RaychatError(f"run {run_dir} has no {wanted}: drop --step for the latest, or train longer")
+    return Path(found)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,7 +62,10 @@ def connect_ray(num_workers: int) -> None:
         return
     # Workers are started by the cluster's raylets, not by this process: pass our settings along.
     env = {k: v for k, v in os.environ.items() if k.startswith(("RAYCHAT_", "WANDB_"))}
-    runtime_env = {"env_vars": env} if env else None
+    # Ray Train's print patch copies every worker print into its logger as well, and where stdout
+    # has been wrapped (wandb, Ray Data progress) the step lines then reach the driver twice.
+    env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    runtime_env = {"env_vars": env}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=runtime_env, log_to_driver=True)
         return

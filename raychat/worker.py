@@ -70,14 +70,11 @@ def _find_resume_checkpoint(cfg: TrainConfig, run_dir: Path | None) -> Path | No
     """The checkpoint to start from: --resume-from-step if given, else the latest Ray knows about;
     a damaged latest one is skipped for the newest complete one in the run directory."""
     if cfg.resume_from_step >= 0:
-        if run_dir is None:
-            raise RaychatError("--resume-from-step needs a local --storage-path to find checkpoints in")
-        for candidate in sorted(run_dir.glob("checkpoint_*")):
-            meta_path = candidate / "meta.json"
-            if meta_path.exists() and json.loads(meta_path.read_text()).get("step") == cfg.resume_from_step:
-                return candidate
-        raise RaychatError(f"no checkpoint at step {cfg.resume_from_step} in {run_dir}: "
-                           "pick a step listed there or drop --resume-from-step")
+        found = latest_valid_checkpoint(run_dir, step=cfg.resume_from_step) if run_dir else None
+        if found is None:
+            raise RaychatError(f"no complete checkpoint at step {cfg.resume_from_step} in {run_dir}: pick a "
+                               "step listed there (a local --storage-path) or drop --resume-from-step")
+        return found
     reported = ray.train.get_checkpoint()
     if reported is not None:
         path = Path(reported.path)
