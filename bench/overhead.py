@@ -200,21 +200,37 @@ def tree_cpu(root: int) -> Snapshot:
     return {pid: info[pid] for pid in tree if pid in info}
 
 
-def cpu_by_role(before: Snapshot, after: Snapshot) -> dict[str, float]:
-    """CPU seconds spent between two tree_cpu snapshots, grouped by what each process is."""
-    roles: dict[str, float] = {}
+def process_name(command: str) -> str:
+    """A short name for a process: a Ray worker's title (ray::IDLE, ray::TrainController.run, ...),
+    else its program or script (raylet, gcs_server, dashboard.py, agent.py, ...)."""
+    words = command.split()
+    if not words:
+        return "?"
+    if words[0].startswith("ray::"):
+        return words[0]
+    scripts = [w for w in words[1:4] if w.endswith(".py")]
+    if "-m" in words[:3]:
+        return "python -m " + words[words.index("-m") + 1]
+    return os.path.basename(scripts[0] if scripts else words[0])
+
+
+def role_of(command: str) -> str:
+    if "RayTrainWorker" in command:
+        return "train worker"
+    if command.startswith("ray::"):
+        return "other Ray workers (Ray Data tasks, actors)"
+    if "raychat.train" in command or "bench.overhead" in command:
+        return "driver / plain loop"
+    return "Ray services (GCS, raylet, dashboard, agents)"
+
+
+def cpu_spent(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """CPU seconds each process (by short name, same names summed) spent between two snapshots."""
+    spent: dict[str, float] = {}
     for pid, (command, seconds) in after.items():
-        spent = seconds - before.get(pid, ("", 0.0))[1]
-        if "RayTrainWorker" in command:
-            role = "train worker"
-        elif command.startswith("ray::"):
-            role = "other Ray workers (Ray Data tasks, actors)"
-        elif "raychat.train" in command or "bench.overhead" in command:
-            role = "driver / plain loop"
-        else:
-            role = "Ray services (GCS, raylet, dashboard, agents)"
-        roles[role] = roles.get(role, 0.0) + spent
-    return roles
+        name = f"{role_of(command)}|{process_name(command)}"
+        spent[name] = spent.get(name, 0.0) + seconds - before.get(pid, ("", 0.0))[1]
+    return spent
 
 
 @dataclass
@@ -224,7 +240,7 @@ class Run:
     steps: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (loss, dt seconds)
     first_step_at: float | None = None        # seconds after launch when step 0's line arrived
     marks: dict[str, float] = field(default_factory=dict)  # driver milestones, seconds after launch
-    steady_cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per steady step, by role
+    steady_cpu: dict[str, float] = field(default_factory=dict)  # "role|process" -> CPU s per steady step
     wall: float = 0.0
     log: list[str] = field(default_factory=list)
 
@@ -260,8 +276,8 @@ def run_and_parse(name: str, command: list[str], env: dict, log_path: Path, skip
                 if step == skip - 1:
                     cpu_before = tree_cpu(process.pid)
                 elif step == last and cpu_before:
-                    spent = cpu_by_role(cpu_before, tree_cpu(process.pid))
-                    run.steady_cpu = {role: seconds / (last - skip + 1) for role, seconds in spent.items()}
+                    spent = cpu_spent(cpu_before, tree_cpu(process.pid))
+                    run.steady_cpu = {name: seconds / (last - skip + 1) for name, seconds in spent.items()}
         process.wait()
     run.wall = time.perf_counter() - run.launched
     if process.returncode != 0 or not run.steps:
@@ -279,6 +295,22 @@ def summarise(run: Run, skip: int, total_batch_size: int) -> str:
             f"over steps {skip}-{max(run.steps)}, min {low:,.0f}, max {high:,.0f}) | first step done "
             f"{run.first_step_at:.1f}s after launch (its dt {1000 * run.steps[0][1]:,.0f} ms) | "
             f"process wall {run.wall:.1f}s")
+
+
+def describe_cpu(run: Run) -> str:
+    """CPU seconds per steady step by role, and the processes besides the training loop that used most."""
+    roles: dict[str, float] = {}
+    for name, seconds in run.steady_cpu.items():
+        role = name.split("|")[0]
+        roles[role] = roles.get(role, 0.0) + seconds
+    text = ", ".join(f"{role} {seconds:.2f}s" for role, seconds in sorted(roles.items(), key=lambda r: -r[1])
+                     if seconds >= 0.005)
+    others = sorted(((seconds, name.split("|")[1]) for name, seconds in run.steady_cpu.items()
+                     if not name.startswith(("train worker", "driver"))), reverse=True)[:6]
+    busiest = ", ".join(f"{name} {seconds:.2f}s" for seconds, name in others if seconds >= 0.005)
+    if busiest:
+        text += f"\n           busiest other processes: {busiest}"
+    return f"{run.name:>7}: CPU per steady step: {text}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,9 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             marks = ", ".join(f"{mark} {seconds:.1f}s" for mark, seconds in ours.marks.items())
             print(f"         raychat start-up (seconds after launch): {marks}", flush=True)
             for run in (plain, ours):
-                by_cost = sorted(run.steady_cpu.items(), key=lambda item: -item[1])
-                roles = ", ".join(f"{role} {seconds:.2f}s" for role, seconds in by_cost if seconds >= 0.005)
-                print(f"{run.name:>7}: CPU per steady step: {roles}", flush=True)
+                print(describe_cpu(run), flush=True)
             pairs.append((plain, ours))
     print(f"logs (timestamped output of every run): {log_dir}")
 
