@@ -306,7 +306,7 @@ def describe_cpu(run: Run) -> str:
     text = ", ".join(f"{role} {seconds:.2f}s" for role, seconds in sorted(roles.items(), key=lambda r: -r[1])
                      if seconds >= 0.005)
     others = sorted(((seconds, name.split("|")[1]) for name, seconds in run.steady_cpu.items()
-                     if not name.startswith(("train worker", "driver"))), reverse=True)[:6]
+                     if not name.startswith(("train worker", "driver"))), reverse=True)[:10]
     busiest = ", ".join(f"{name} {seconds:.2f}s" for seconds, name in others if seconds >= 0.005)
     if busiest:
         text += f"\n           busiest other processes: {busiest}"
