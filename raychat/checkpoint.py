@@ -219,10 +219,13 @@ def _load_tensors(path: Path, device: torch.device | str) -> Any:
                            f"(torch.load weights_only): {reason}; use an earlier checkpoint") from e
 
 
-def load_checkpoint(directory: str | Path, device: torch.device | str = "cpu") -> tuple[dict, dict, dict]:
+def load_checkpoint(directory: str | Path, device: torch.device | str = "cpu",
+                    load_optimizer: bool = True) -> tuple[dict, dict, dict]:
     """(model_state, optim_state, meta) of a complete checkpoint, tensors on `device`.
 
     Verifies the manifest first; a damaged checkpoint raises RaychatError naming the directory.
+    With load_optimizer=False (inference) the optimizer file, twice the model's size, is not read
+    and optim_state is empty.
     """
     directory = Path(directory)
     problem = damage(directory)
@@ -230,7 +233,7 @@ def load_checkpoint(directory: str | Path, device: torch.device | str = "cpu") -
         raise RaychatError(f"checkpoint {directory} is damaged or incomplete: {problem}; "
                            "resume from an earlier checkpoint of the run")
     model_state = _load_tensors(directory / MODEL_FILE, device)
-    optim_state = _load_tensors(directory / OPTIM_FILE, device)
+    optim_state = _load_tensors(directory / OPTIM_FILE, device) if load_optimizer else {}
     meta = json.loads((directory / META_FILE).read_text())
     return model_state, optim_state, meta
 

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     check_vocab(tokenizer, meta["vocab_size"], meta.get("tokenizer_fingerprint"), str(ckpt))
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model_state, _, meta = load_checkpoint(ckpt, device=device)
+    model_state, _, meta = load_checkpoint(ckpt, device=device, load_optimizer=False)
     model = build_model(GPTConfig(**meta["model_config"]), device)
     model.load_state_dict(model_state, strict=True)
     model.eval()
