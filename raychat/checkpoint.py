@@ -220,22 +220,28 @@ def _load_tensors(path: Path, device: torch.device | str) -> Any:
 
 
 def load_checkpoint(directory: str | Path, device: torch.device | str = "cpu",
-                    load_optimizer: bool = True) -> tuple[dict, dict, dict]:
+                    load_optimizer: bool = True, verified: bool = False) -> tuple[dict, dict, dict]:
     """(model_state, optim_state, meta) of a complete checkpoint, tensors on `device`.
 
     Verifies the manifest first; a damaged checkpoint raises RaychatError naming the directory.
-    With load_optimizer=False (inference) the optimizer file, twice the model's size, is not read
-    and optim_state is empty.
+    verified=True skips that when the caller has just checked the directory (damage() or
+    latest_valid_checkpoint): hashing reads every byte, as much as the load itself. With
+    load_optimizer=False (inference) the optimizer file, twice the model's size, is not read and
+    optim_state is empty.
     """
     directory = Path(directory)
-    problem = damage(directory)
+    problem = None if verified else damage(directory)
     if problem is not None:
         raise RaychatError(f"checkpoint {directory} is damaged or incomplete: {problem}; "
                            "resume from an earlier checkpoint of the run")
     model_state = _load_tensors(directory / MODEL_FILE, device)
     optim_state = _load_tensors(directory / OPTIM_FILE, device) if load_optimizer else {}
-    meta = json.loads((directory / META_FILE).read_text())
-    return model_state, optim_state, meta
+    return model_state, optim_state, read_meta(directory)
+
+
+def read_meta(directory: str | Path) -> dict:
+    """A checkpoint's meta.json (step, cursor, configs), read without verifying the tensors."""
+    return json.loads((Path(directory) / META_FILE).read_text())
 
 
 def _warn(message: str) -> None:
@@ -269,7 +275,7 @@ def latest_valid_checkpoint(run_dir: str | Path, step: int | None = None,
 
 def _meta_step(directory: Path) -> int | None:
     try:
-        return json.loads((directory / META_FILE).read_text()).get("step")
+        return read_meta(directory).get("step")
     except (OSError, ValueError, AttributeError):
         return None
 

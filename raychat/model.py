@@ -26,6 +26,10 @@ autocast: the embedding output is cast to the compute dtype and every Linear cas
 the dtype of its input. Logits and the loss are fp32. (nanochat also stores wte and value_embeds in
 bf16 to save memory; raychat keeps them fp32 so every parameter has one dtype for the optimizer
 and the checkpoints. The forward values are identical: the lookup is cast to bf16.)
+
+The loss: given targets, an eager forward computes lm_head + soft-cap + cross-entropy in chunks of
+rows (raychat.fused_loss), never holding the [B*T, vocab] fp32 logits; same values as the plain
+chain, which compiled graphs (inductor fuses it) and RAYCHAT_FUSED_CE=0 keep.
 """
 
 import math
@@ -39,6 +43,7 @@ from torch import Tensor
 
 from raychat.attention import AttentionMask, causal_attention, layer_masks
 from raychat.common import RaychatError
+from raychat.fused_loss import softcapped_cross_entropy
 
 ROTARY_BASE = 100_000
 ROTARY_OVERCOMPUTE = 10      # rotary tables cover 10x sequence_len, as nanochat's
@@ -315,6 +320,11 @@ class GPT(nn.Module):
         # backout: remove part of the mid-network residual (low-level features) before the head
         x = norm(x - self.backout_lambda.to(dtype) * x_backout)
 
+        if targets is not None and self._fused_loss_applies(x, loss_reduction):
+            loss = softcapped_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight,
+                                            targets.reshape(-1), self.config.vocab_size, LOGIT_SOFTCAP,
+                                            loss_reduction)
+            return loss.view(targets.shape) if loss_reduction == "none" else loss
         logits = self.lm_head(x)[..., :self.config.vocab_size].float()
         logits = LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
         if targets is None:
@@ -322,6 +332,16 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
                                reduction=loss_reduction)
         return loss.view(targets.shape) if loss_reduction == "none" else loss
+
+    def _fused_loss_applies(self, x: Tensor, loss_reduction: str) -> bool:
+        """Whether the loss takes raychat.fused_loss's chunked path (same values, no [B*T, vocab]
+        logits). Eager only: under torch.compile the plain chain is what inductor fuses. Not for
+        "none" with gradients (no fused backward; training uses "sum"/"mean", evaluation "none" under
+        no_grad). RAYCHAT_FUSED_CE=0 forces the plain path (tests compare the two with it)."""
+        if torch.compiler.is_compiling() or os.environ.get("RAYCHAT_FUSED_CE", "1") == "0":
+            return False
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.lm_head.weight.requires_grad)
+        return not (loss_reduction == "none" and needs_grad)
 
     def num_scaling_params(self) -> dict[str, int]:
         """Parameter counts by kind (nanochat's grouping; the scaling rules pick which to use)."""

@@ -6,12 +6,11 @@ confident garbage.
 """
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from raychat.checkpoint import latest_valid_checkpoint, load_checkpoint
+from raychat.checkpoint import latest_valid_checkpoint, load_checkpoint, read_meta
 from raychat.common import RaychatError, default_storage_path, default_tokenizer_dir, run_cli
 from raychat.evaluate import SAMPLE_PROMPTS
 from raychat.model import GPTConfig, build_model
@@ -49,12 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.storage_path or default_storage_path()).expanduser() / args.run_name
     ckpt = find_checkpoint(run_dir, args.step)
     tokenizer = Tokenizer.load(args.tokenizer_dir or default_tokenizer_dir())
-    meta_path = ckpt / "meta.json"
-    meta = json.loads(meta_path.read_text())
+    meta = read_meta(ckpt)
     check_vocab(tokenizer, meta["vocab_size"], meta.get("tokenizer_fingerprint"), str(ckpt))
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model_state, _, meta = load_checkpoint(ckpt, device=device, load_optimizer=False)
+    model_state, _, meta = load_checkpoint(ckpt, device=device, load_optimizer=False, verified=True)
     model = build_model(GPTConfig(**meta["model_config"]), device)
     model.load_state_dict(model_state, strict=True)
     model.eval()

@@ -7,7 +7,6 @@ worker starts: a bad corpus, tokenizer or storage path fails in seconds with one
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -19,7 +18,7 @@ import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from raychat.checkpoint import latest_valid_checkpoint
+from raychat.checkpoint import latest_valid_checkpoint, read_meta
 from raychat.common import (
     RaychatError,
     default_data_dir,
@@ -115,7 +114,7 @@ def check_resumable(paths: RunPaths, tokenizer: Tokenizer, log=print) -> None:
     latest = latest_valid_checkpoint(paths.run_dir)
     if latest is None:
         return
-    meta = json.loads((Path(latest) / "meta.json").read_text())
+    meta = read_meta(latest)
     check_vocab(tokenizer, meta["vocab_size"], meta.get("tokenizer_fingerprint"), str(latest))
     log(f"Run {paths.run_dir} exists: resuming from {latest} (step {meta['step']})")
 

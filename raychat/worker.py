@@ -25,7 +25,13 @@ from ray.train import Checkpoint
 from ray.train.v2.api.report_config import CheckpointUploadMode
 
 import raychat
-from raychat.checkpoint import AsyncCheckpointWriter, is_complete, latest_valid_checkpoint, load_checkpoint
+from raychat.checkpoint import (
+    AsyncCheckpointWriter,
+    is_complete,
+    latest_valid_checkpoint,
+    load_checkpoint,
+    read_meta,
+)
 from raychat.common import RaychatError
 from raychat.config import TrainConfig
 from raychat.corpus import CorpusIndex
@@ -130,8 +136,10 @@ def train_loop_per_worker(config: dict) -> None:
     master = rank == 0
     device = ray.train.torch.get_device()
     if device.type == "cpu":
-        # Workers on one machine share its cores; Ray would otherwise leave each with one thread.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.get_local_world_size()))
+        # Workers on one machine share its cores (those this process may run on, which a container
+        # or taskset can limit); Ray would otherwise leave each worker with one thread.
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(max(1, cores // ctx.get_local_world_size()))
 
     def log(message: str) -> None:
         if master:
@@ -141,6 +149,19 @@ def train_loop_per_worker(config: dict) -> None:
     token_bytes = tokenizer.token_bytes()
     plan = resolve_plan(cfg, tokenizer.vocab_size, world_size)
     T = cfg.max_seq_len
+
+    # Resume position first: with the cursor known the loader can start now, so Ray Data's start-up
+    # and the tokenizing of the packer's first ~1000 documents overlap building (and compiling,
+    # and restoring) the model instead of blocking step 0.
+    step, loop, cursor = 0, LoopState(), None
+    resume_path = _find_resume_checkpoint(cfg, run_dir)   # verified: complete, hashes match
+    if resume_path is not None:
+        meta = read_meta(resume_path)
+        check_vocab(tokenizer, meta["vocab_size"], meta.get("tokenizer_fingerprint"), str(resume_path))
+        step, cursor, loop = meta["step"], meta["cursor"], LoopState(**meta["loop_state"])
+    index = CorpusIndex.load(data_dir)
+    loader = TrainLoader(index, tokenizer_dir, T, rank, world_size, cursor=cursor,
+                         record_consumed=bool(trace_dir))
 
     # Same seed on every rank: identical initial weights without a broadcast.
     torch.manual_seed(cfg.seed)
@@ -155,23 +176,14 @@ def train_loop_per_worker(config: dict) -> None:
         scalar_lr=cfg.scalar_lr * plan.lr_scale,
         weight_decay=plan.weight_decay,
     )
-
-    step, loop, cursor = 0, LoopState(), None
-    resume_path = _find_resume_checkpoint(cfg, run_dir)
     if resume_path is not None:
-        model_state, optim_state, meta = load_checkpoint(resume_path, device=device)
-        check_vocab(tokenizer, meta["vocab_size"], meta.get("tokenizer_fingerprint"), str(resume_path))
+        model_state, optim_state, meta = load_checkpoint(resume_path, device=device, verified=True)
         orig_model.load_state_dict(model_state, strict=True)
         optimizer.load_state_dict(optim_state)
         del model_state, optim_state
-        step, cursor = meta["step"], meta["cursor"]
-        loop = LoopState(**meta["loop_state"])
         log(f"Resumed from {resume_path} at step {step} "
             f"(saved by {meta['world_size']} workers, now {world_size})")
 
-    index = CorpusIndex.load(data_dir)
-    loader = TrainLoader(index, tokenizer_dir, T, rank, world_size, cursor=cursor,
-                         record_consumed=bool(trace_dir))
     num_iterations = plan.num_iterations
     my_rows = rank_rows(plan.rows_per_step, world_size, rank)
     micro_sizes = micro_batch_sizes(my_rows, cfg.device_batch_size)
