@@ -103,14 +103,15 @@ class PackerOnly:
 
 
 def timed(next_batch, warmup: int, seconds: float | None = None, batches: int | None = None,
-          with_descendants: bool = False):
-    """Run `warmup` batches (the first one timed alone), then `batches` batches or as many as fit in
-    `seconds`. Returns (seconds to the first batch, batches timed, seconds they took, CPU seconds
-    they took, warm-up batches' inputs)."""
+          with_descendants: bool = False, warmup_seconds: float = 0.0):
+    """Run `warmup` batches, and more until `warmup_seconds` have passed (the first batch timed
+    alone), then `batches` batches or as many as fit in `seconds`. Returns (seconds to the first
+    batch, batches timed, seconds they took, CPU seconds they took, warm-up batches' inputs)."""
     start = time.perf_counter()
     inputs = [next_batch()[0]]
     first = time.perf_counter() - start
-    inputs += [next_batch()[0] for _ in range(warmup - 1)]
+    while len(inputs) < warmup or time.perf_counter() - start < warmup_seconds:
+        inputs.append(next_batch()[0])
     start, cpu, count = time.perf_counter(), cpu_seconds(with_descendants), 0
     while (count < batches) if batches is not None else (time.perf_counter() - start < seconds):
         next_batch()
@@ -165,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer-dir", default="", help="tokenizer (default: train one on the corpus)")
     parser.add_argument("--vocab-size", type=int, default=32768, help="vocab of the tokenizer trained here")
     parser.add_argument("--seconds", type=float, default=8.0, help="timed seconds per loader and shape")
-    parser.add_argument("--warmup-batches", type=int, default=5, help="batches before the clock starts "
-                        "(compared between the two loaders)")
+    parser.add_argument("--warmup-seconds", type=float, default=5.0, help="the reference runs this long "
+                        "before the clock starts, raychat as many batches (past Ray Data's start-up)")
     parser.add_argument("--num-cpus", type=int, default=os.cpu_count(), help="CPUs of the local Ray instance")
     args = parser.parse_args(argv)
 
@@ -197,10 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             for B, T in CONFIGS:
                 # Packing alone, on the same already tokenized documents.
                 ref_pack = ReferenceLoader(cycle(docs), B, T)
-                _, n, ref_seconds, _, ref_inputs = timed(ref_pack.next_batch, args.warmup_batches,
-                                                         seconds=args.seconds / 2)
-                _, _, seconds, _, inputs = timed(PackerOnly(cycle(arrays), B, T).next_batch,
-                                                 args.warmup_batches, batches=n)
+                _, n, ref_seconds, _, ref_inputs = timed(ref_pack.next_batch, 5, seconds=args.seconds / 2)
+                _, _, seconds, _, inputs = timed(PackerOnly(cycle(arrays), B, T).next_batch, 5, batches=n)
                 same = all(torch.equal(a, b) for a, b in zip(ref_inputs, inputs, strict=True))
                 ref_rate, rate = n * B * T / ref_seconds, n * B * T / seconds
                 print(f"B={B:>2} T={T:>4} packing alone: reference {ref_rate / 1e6:6.2f} M tok/s | raychat "
@@ -211,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                 # for batch; both run the same number of batches, so their cropped fractions agree.
                 reference = ReferenceLoader(reference_documents(index, tokenizer), B, T)
                 ref_first, n, ref_seconds, ref_cpu, ref_inputs = timed(
-                    reference.next_batch, args.warmup_batches, seconds=args.seconds)
+                    reference.next_batch, 1, seconds=args.seconds, warmup_seconds=args.warmup_seconds)
                 with TrainLoader(index, tokenizer_dir, T, rank=0, world_size=1) as ours:
-                    first, _, seconds, cpu, inputs = timed(lambda b=B: ours.next_rows(b), args.warmup_batches,
+                    first, _, seconds, cpu, inputs = timed(lambda b=B: ours.next_rows(b), len(ref_inputs),
                                                            batches=n, with_descendants=True)
                     cropped = ours.cropped_fraction()
                 same = all(torch.equal(a, b) for a, b in zip(ref_inputs, inputs, strict=True))
@@ -222,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                 # process plus all of Ray's (workers, raylet, GCS). Steadier than wall time on a
                 # shared machine.
                 ref_cost, cost = ref_cpu / (n * B * T / 1e6), cpu / (n * B * T / 1e6)
-                print(f"B={B:>2} T={T:>4} loader, {n} batches: reference {ref_rate / 1e6:5.2f} M tok/s "
+                print(f"B={B:>2} T={T:>4} loader, {n} batches after {len(ref_inputs)}: "
+                      f"reference {ref_rate / 1e6:5.2f} M tok/s "
                       f"(cropped {100 * reference.cropped_fraction():.1f}%, first batch {ref_first:.1f}s) | "
                       f"raychat {rate / 1e6:5.2f} M tok/s (cropped {100 * cropped:.1f}%, first batch "
                       f"{first:.1f}s) | ratio {rate / ref_rate:.2f}x | same rows: {'yes' if same else 'NO'}",

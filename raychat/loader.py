@@ -9,6 +9,11 @@ best-fit packer (raychat.packer) fills rows of T+1 tokens only when the step loo
 cursor is exact for the rows returned so far. Tokenizing is the expensive part and runs in
 parallel, off the step loop; packing is a bisect and a copy per document.
 
+Start-up and run-ahead: the first ~2000 documents are tokenized in the rank's own process (Ray
+Data's first tasks wait seconds for worker processes), so step 0 does not wait for Ray Data; after
+that Ray Data holds at most RUN_AHEAD_BYTES of tokenized reads ahead of the packer, so it does not
+spend the first steps' CPU on data needed minutes later.
+
 Validation reads the val split through the same path: its documents are dealt round-robin to the
 ranks (a small split still feeds every rank), packed the same way, from the start on every call.
 """
@@ -17,7 +22,7 @@ import contextlib
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -45,25 +50,36 @@ __all__ = ["TrainLoader", "merge_cursor", "val_loader"]
 
 READS_PER_DATASET = 64    # reads planned per Ray Data dataset; the stream chains datasets
 READS_AHEAD = 4           # tokenized reads queued in this process ahead of the packer
+WARM_START_DOCS = 2048    # documents tokenized in this process before Ray Data takes over
+RUN_AHEAD_BYTES = 64 << 20  # tokenized blocks Ray Data may hold ahead of this rank (~16 row groups)
 WAIT_WARNING_S = 120      # say so when the packer has waited this long for a read
 
 
-def _read_and_tokenize(batch: dict[str, np.ndarray], tokenizer_dir: str) -> pa.Table:
-    """Ray Data task: read the rows of each planned read and tokenize them (BOS first)."""
-    tokenizer = Tokenizer.load(tokenizer_dir)   # cached per worker process by raychat.tokenizer
+def _tokenize_reads(reads: Iterable[tuple[int, Unit, list[int] | None]], tokenizer_dir: str) -> pa.Table:
+    """Read and tokenize (k, unit, rows or None for all) reads into a table of (k, tokens) with one
+    row per document, BOS first."""
+    tokenizer = Tokenizer.load(tokenizer_dir)   # cached per process by raychat.tokenizer
     keys, lengths, tokens = [], [0], []
-    for i, k in enumerate(batch["k"]):
-        unit = Unit(int(batch["index"][i]), int(batch["shard"][i]), str(batch["path"][i]),
-                    int(batch["row_group"][i]), int(batch["num_rows"][i]))
-        rows = None if batch["whole"][i] else [int(r) for r in batch["rows"][i]]
+    for k, unit, rows in reads:
         for doc in tokenizer.encode_batch(read_unit_texts(unit, rows), prepend_bos=True, threads=1):
-            keys.append(int(k))
+            keys.append(k)
             lengths.append(len(doc))
             tokens.append(np.asarray(doc, dtype=np.int32))
     offsets = np.cumsum(lengths, dtype=np.int32)
     flat = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32)
     return pa.table({"k": pa.array(keys, type=pa.int64()),
                      "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))})
+
+
+def _read_and_tokenize(batch: dict[str, np.ndarray], tokenizer_dir: str) -> pa.Table:
+    """Ray Data task: _tokenize_reads over a batch of planned reads (SourceReader._item rows)."""
+    reads = []
+    for i, k in enumerate(batch["k"]):
+        unit = Unit(int(batch["index"][i]), int(batch["shard"][i]), str(batch["path"][i]),
+                    int(batch["row_group"][i]), int(batch["num_rows"][i]))
+        rows = None if batch["whole"][i] else [int(r) for r in batch["rows"][i]]
+        reads.append((int(k), unit, rows))
+    return _tokenize_reads(reads, tokenizer_dir)
 
 
 def _inputs_and_targets(rows: np.ndarray) -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -96,20 +112,27 @@ class SourceReader:
         self._thread = threading.Thread(target=self._run, name="raychat-loader", daemon=True)
         self._thread.start()
 
+    def _item(self, k: int) -> dict:
+        """Read k as one row of _read_and_tokenize's input."""
+        s = self._source(k)
+        unit = self._units[s.unit]
+        whole = s.rows == tuple(range(unit.num_rows))
+        return {"k": k, **asdict(unit), "whole": whole, "rows": [] if whole else list(s.rows)}
+
     def _dataset(self, first: int):
         import ray.data
+        from ray.data import ExecutionResources
 
-        items = []
-        for k in range(first, first + READS_PER_DATASET):
-            s = self._source(k)
-            unit = self._units[s.unit]
-            whole = s.rows == tuple(range(unit.num_rows))
-            items.append({"k": k, **asdict(unit), "whole": whole, "rows": [] if whole else list(s.rows)})
+        items = [self._item(k) for k in range(first, first + READS_PER_DATASET)]
         ds = ray.data.from_items(items, override_num_blocks=len(items))
         context = ds.context   # this dataset's own copy: the process-wide settings stay untouched
         context.execution_options.preserve_order = True
         context.enable_progress_bars = False
         context.print_on_execution_start = False
+        # Without a cap Ray Data tokenizes as far ahead as its object-store budget allows (all 64
+        # reads), taking CPU from the first training steps on a small machine for data needed
+        # minutes later.
+        context.execution_options.resource_limits = ExecutionResources(object_store_memory=RUN_AHEAD_BYTES)
         return ds.map_batches(_read_and_tokenize, fn_kwargs={"tokenizer_dir": self._tokenizer_dir},
                               batch_size=1, num_cpus=self._num_cpus, batch_format="numpy")
 
@@ -122,9 +145,24 @@ class SourceReader:
                 continue
         raise _Stop
 
+    def _warm_start(self) -> int:
+        """Tokenize the first reads in this process; returns how many. Ray Data's first tasks wait
+        seconds for worker processes to start and import, while the packer needs its buffer of
+        ~1000 documents before the first row: tokenizing those here (~0.3 s per 1000 documents)
+        takes that wait off step 0, and Ray Data continues from the next read."""
+        k = docs = 0
+        while docs < WARM_START_DOCS:
+            s = self._source(k)
+            table = _tokenize_reads([(k, self._units[s.unit], list(s.rows))], self._tokenizer_dir)
+            for read, docs_of_read in _split_by_read(table):
+                self._put((read, docs_of_read))
+            docs += table.num_rows
+            k += 1
+        return k
+
     def _run(self) -> None:
         try:
-            first = 0
+            first = self._warm_start()
             while True:
                 batches = iter(self._dataset(first).iter_batches(batch_size=None, batch_format="pyarrow",
                                                                  prefetch_batches=2))
