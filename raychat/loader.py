@@ -10,9 +10,11 @@ cursor is exact for the rows returned so far. Tokenizing is the expensive part a
 parallel, off the step loop; packing is a bisect and a copy per document.
 
 Start-up and run-ahead: the first ~2000 documents are tokenized in the rank's own process (Ray
-Data's first tasks wait seconds for worker processes), so step 0 does not wait for Ray Data; after
-that Ray Data holds at most RUN_AHEAD_BYTES of tokenized reads ahead of the packer, so it does not
-spend the first steps' CPU on data needed minutes later.
+Data's first tasks wait seconds for worker processes), so step 0 does not wait for Ray Data. A
+Ray Data dataset tokenizes to its end as fast as the CPUs allow, so the first ones are small
+(4 reads, then 8, ... up to 64): the first steps keep their CPU on a small machine, and in the
+steady state a pipeline restart comes only every 64 reads. (An object-store cap on Ray Data's
+run-ahead would do the same but made its executor spin at a full core while capped.)
 
 Validation reads the val split through the same path: its documents are dealt round-robin to the
 ranks (a small split still feeds every rank), packed the same way, from the start on every call.
@@ -48,10 +50,10 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainLoader", "merge_cursor", "val_loader"]
 
-READS_PER_DATASET = 64    # reads planned per Ray Data dataset; the stream chains datasets
+FIRST_DATASET_READS = 4   # reads in the first Ray Data dataset; each next one doubles, up to
+MAX_DATASET_READS = 64    # (a dataset runs ahead to its end; a new one costs a pipeline restart)
 READS_AHEAD = 4           # tokenized reads queued in this process ahead of the packer
 WARM_START_DOCS = 2048    # documents tokenized in this process before Ray Data takes over
-RUN_AHEAD_BYTES = 64 << 20  # tokenized blocks Ray Data may hold ahead of this rank (~16 row groups)
 WAIT_WARNING_S = 120      # say so when the packer has waited this long for a read
 
 
@@ -98,7 +100,7 @@ class SourceReader:
     """Streams the tokenized documents of a sequence of reads, in order, ahead of the consumer.
 
     Yields (read number k, [token arrays of some of its documents]); a background thread runs one
-    Ray Data dataset per READS_PER_DATASET reads, one after the other.
+    Ray Data dataset after another, of FIRST_DATASET_READS reads doubling up to MAX_DATASET_READS.
     """
 
     def __init__(self, source: Callable[[int], Source], units: list[Unit], tokenizer_dir: str,
@@ -119,20 +121,15 @@ class SourceReader:
         whole = s.rows == tuple(range(unit.num_rows))
         return {"k": k, **asdict(unit), "whole": whole, "rows": [] if whole else list(s.rows)}
 
-    def _dataset(self, first: int):
+    def _dataset(self, first: int, size: int):
         import ray.data
-        from ray.data import ExecutionResources
 
-        items = [self._item(k) for k in range(first, first + READS_PER_DATASET)]
+        items = [self._item(k) for k in range(first, first + size)]
         ds = ray.data.from_items(items, override_num_blocks=len(items))
         context = ds.context   # this dataset's own copy: the process-wide settings stay untouched
         context.execution_options.preserve_order = True
         context.enable_progress_bars = False
         context.print_on_execution_start = False
-        # Without a cap Ray Data tokenizes as far ahead as its object-store budget allows (all 64
-        # reads), taking CPU from the first training steps on a small machine for data needed
-        # minutes later.
-        context.execution_options.resource_limits = ExecutionResources(object_store_memory=RUN_AHEAD_BYTES)
         return ds.map_batches(_read_and_tokenize, fn_kwargs={"tokenizer_dir": self._tokenizer_dir},
                               batch_size=1, num_cpus=self._num_cpus, batch_format="numpy")
 
@@ -162,17 +159,18 @@ class SourceReader:
 
     def _run(self) -> None:
         try:
-            first = self._warm_start()
+            first, size = self._warm_start(), FIRST_DATASET_READS
             while True:
-                batches = iter(self._dataset(first).iter_batches(batch_size=None, batch_format="pyarrow",
-                                                                 prefetch_batches=2))
+                dataset = self._dataset(first, size)
+                batches = iter(dataset.iter_batches(batch_size=None, batch_format="pyarrow",
+                                                    prefetch_batches=2))
                 try:
                     for table in batches:
                         for k, docs in _split_by_read(table):
                             self._put((k, docs))
                 finally:
                     batches.close()   # stops the dataset's executor now, not when garbage collected
-                first += READS_PER_DATASET
+                first, size = first + size, min(2 * size, MAX_DATASET_READS)
         except _Stop:
             pass
         except BaseException as e:  # handed to the consumer, which raises it in its own thread
