@@ -53,7 +53,8 @@ __all__ = ["TrainLoader", "merge_cursor", "val_loader"]
 FIRST_DATASET_READS = 4   # reads in the first Ray Data dataset; each next one doubles, up to
 MAX_DATASET_READS = 64    # (a dataset runs ahead to its end; a new one costs a pipeline restart)
 READS_AHEAD = 4           # tokenized reads queued in this process ahead of the packer
-WARM_START_DOCS = 2048    # documents tokenized in this process before Ray Data takes over
+WARM_START_DOCS = 2048    # documents tokenized in this process before Ray Data takes over,
+WARM_START_READS = 2      # in at most this many reads (a read runs single-threaded either way)
 WAIT_WARNING_S = 120      # say so when the packer has waited this long for a read
 
 
@@ -148,7 +149,7 @@ class SourceReader:
         ~1000 documents before the first row: tokenizing those here (~0.3 s per 1000 documents)
         takes that wait off step 0, and Ray Data continues from the next read."""
         k = docs = 0
-        while docs < WARM_START_DOCS:
+        while docs < WARM_START_DOCS and k < WARM_START_READS:
             s = self._source(k)
             table = _tokenize_reads([(k, self._units[s.unit], list(s.rows))], self._tokenizer_dir)
             for read, docs_of_read in _split_by_read(table):
