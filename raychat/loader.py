@@ -22,10 +22,12 @@ ranks (a small split still feeds every rank), packed the same way, from the star
 
 import contextlib
 import queue
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -64,7 +66,13 @@ def _tokenize_reads(reads: Iterable[tuple[int, Unit, list[int] | None]], tokeniz
     tokenizer = Tokenizer.load(tokenizer_dir)   # cached per process by raychat.tokenizer
     keys, lengths, tokens = [], [0], []
     for k, unit, rows in reads:
-        for doc in tokenizer.encode_batch(read_unit_texts(unit, rows), prepend_bos=True, threads=1):
+        try:
+            texts = read_unit_texts(unit, rows)
+        except (OSError, pa.ArrowException) as e:  # damaged after the corpus index was built
+            raise RaychatError(f"{unit.path}: row group {unit.row_group} cannot be read ({e}); check the "
+                               f"shards with `python -m raychat.corpus check --deep "
+                               f"{Path(unit.path).parent}`") from e
+        for doc in tokenizer.encode_batch(texts, prepend_bos=True, threads=1):
             keys.append(k)
             lengths.append(len(doc))
             tokens.append(np.asarray(doc, dtype=np.int32))
@@ -192,12 +200,29 @@ class SourceReader:
                 print(f"raychat loader: waited {waited}s for Ray Data to read and tokenize; does the cluster "
                       "have free CPUs for its tasks?", file=sys.stderr, flush=True)
         if isinstance(item, BaseException):
+            ours = _raychat_error_message(item)
+            if ours is not None:   # already one line naming the file: keep it, not Ray's traceback
+                raise RaychatError(ours) from item
             raise RaychatError(f"reading the corpus failed: {' '.join(str(item).split())[:500]}") from item
         return item
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _raychat_error_message(error: BaseException) -> str | None:
+    """The message of the RaychatError behind a (Ray-wrapped) exception, if any. Ray Data re-raises
+    a task's exception as RayTaskError(UserCodeException) whose text holds the remote traceback;
+    the original object does not survive, so its last line is read back from that text."""
+    seen, wrapped = set(), error
+    while error is not None and id(error) not in seen:
+        if isinstance(error, RaychatError):
+            return str(error)
+        seen.add(id(error))
+        error = getattr(error, "cause", None) or error.__cause__ or error.__context__
+    found = re.findall(r"RaychatError: ([^\n]+)", str(wrapped))
+    return found[-1].strip() if found else None
 
 
 def _split_by_read(table: pa.Table) -> Iterator[tuple[int, list[np.ndarray]]]:

@@ -6,6 +6,8 @@ and 1 of a world of 2.
 """
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,3 +164,24 @@ def test_val_batches_are_deterministic_and_split_across_ranks(corpus, ray_sessio
         expected = direct_rows(tokenizer, mine, 12)
         got = torch.cat(first).numpy()
         assert (got == expected[:, :-1]).all()
+
+
+@pytest.mark.parametrize("victim", [0, 6], ids=["first-read-in-process", "later-read-in-ray-data"])
+def test_row_group_damaged_after_indexing_is_named(corpus, ray_session, tmp_path, victim):
+    """Data pages damaged after the index was built (footer intact, so only reading finds it): the
+    error is one RaychatError naming the shard, from the rank's own first reads and from Ray Data's
+    tasks alike."""
+    index, tokenizer_dir = corpus
+    data = tmp_path / "data"
+    shutil.copytree(index.data_dir, data)
+    damaged_index = CorpusIndex.load(data)
+    path = damaged_index.train[victim].path
+    raw = bytearray(Path(path).read_bytes())
+    raw[len(raw) // 4: len(raw) // 4 + 512] = bytes(512)   # inside the zstd-compressed text pages
+    Path(path).write_bytes(bytes(raw))
+    with (TrainLoader(damaged_index, tokenizer_dir, T, rank=0, world_size=1, buffer_size=BUFFER) as loader,
+          pytest.raises(RaychatError) as failure):
+        for _ in range(200):   # ~1.4 documents per row: 200 x 5 rows pass every unit
+            loader.next_rows(5)
+    message = str(failure.value)
+    assert Path(path).name in message and "\n" not in message
