@@ -123,12 +123,16 @@ class SourceReader:
         self._thread = threading.Thread(target=self._run, name="raychat-loader", daemon=True)
         self._thread.start()
 
-    def _item(self, k: int) -> dict:
-        """Read k as one row of _read_and_tokenize's input."""
+    def _read(self, k: int) -> tuple[int, Unit, list[int] | None]:
+        """Read k as (k, unit, its rows to read, None for all of them)."""
         s = self._source(k)
         unit = self._units[s.unit]
-        whole = s.rows == tuple(range(unit.num_rows))
-        return {"k": k, **asdict(unit), "whole": whole, "rows": [] if whole else list(s.rows)}
+        return k, unit, None if s.rows == tuple(range(unit.num_rows)) else list(s.rows)
+
+    def _item(self, k: int) -> dict:
+        """Read k as one row of _read_and_tokenize's input."""
+        _, unit, rows = self._read(k)
+        return {"k": k, **asdict(unit), "whole": rows is None, "rows": rows or []}
 
     def _dataset(self, first: int, size: int):
         import ray.data
@@ -158,8 +162,7 @@ class SourceReader:
         takes that wait off step 0, and Ray Data continues from the next read."""
         k = docs = 0
         while docs < WARM_START_DOCS and k < WARM_START_READS:
-            s = self._source(k)
-            table = _tokenize_reads([(k, self._units[s.unit], list(s.rows))], self._tokenizer_dir)
+            table = _tokenize_reads([self._read(k)], self._tokenizer_dir)
             for read, docs_of_read in _split_by_read(table):
                 self._put((read, docs_of_read))
             docs += table.num_rows
@@ -200,29 +203,19 @@ class SourceReader:
                 print(f"raychat loader: waited {waited}s for Ray Data to read and tokenize; does the cluster "
                       "have free CPUs for its tasks?", file=sys.stderr, flush=True)
         if isinstance(item, BaseException):
-            ours = _raychat_error_message(item)
-            if ours is not None:   # already one line naming the file: keep it, not Ray's traceback
-                raise RaychatError(ours) from item
+            if isinstance(item, RaychatError):   # from this process's warm start: one line already
+                raise item
+            # Ray Data re-raises a task's exception as RayTaskError(UserCodeException): the original
+            # object does not survive, only the remote traceback's text, whose last line ours is.
+            ours = re.findall(r"RaychatError: ([^\n]+)", str(item))
+            if ours:
+                raise RaychatError(ours[-1].strip()) from item
             raise RaychatError(f"reading the corpus failed: {' '.join(str(item).split())[:500]}") from item
         return item
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def _raychat_error_message(error: BaseException) -> str | None:
-    """The message of the RaychatError behind a (Ray-wrapped) exception, if any. Ray Data re-raises
-    a task's exception as RayTaskError(UserCodeException) whose text holds the remote traceback;
-    the original object does not survive, so its last line is read back from that text."""
-    seen, wrapped = set(), error
-    while error is not None and id(error) not in seen:
-        if isinstance(error, RaychatError):
-            return str(error)
-        seen.add(id(error))
-        error = getattr(error, "cause", None) or error.__cause__ or error.__context__
-    found = re.findall(r"RaychatError: ([^\n]+)", str(wrapped))
-    return found[-1].strip() if found else None
 
 
 def _split_by_read(table: pa.Table) -> Iterator[tuple[int, list[np.ndarray]]]:
