@@ -6,7 +6,6 @@ confident garbage.
 """
 
 import argparse
-from pathlib import Path
 
 import torch
 
@@ -14,17 +13,18 @@ from raychat.checkpoint import latest_valid_checkpoint, load_checkpoint, read_me
 from raychat.common import RaychatError, default_storage_path, default_tokenizer_dir, run_cli
 from raychat.evaluate import SAMPLE_PROMPTS
 from raychat.model import GPTConfig, build_model
+from raychat.storage import Storage
 from raychat.tokenizer import Tokenizer, check_vocab
 
 
-def find_checkpoint(run_dir: Path, step: int | None) -> Path:
-    if not run_dir.is_dir():
-        raise RaychatError(f"no run at {run_dir}: check --run-name and --storage-path")
-    found = latest_valid_checkpoint(run_dir, step=step)
+def find_checkpoint(run: Storage, step: int | None) -> Storage:
+    if not run.is_dir():
+        raise RaychatError(f"no run at {run}: check --run-name and --storage-path")
+    found = latest_valid_checkpoint(run, step=step)
     if found is None:
         wanted = "a complete checkpoint" if step is None else f"a complete checkpoint at step {step}"
-        raise RaychatError(f"run {run_dir} has no {wanted}: drop --step for the latest, or train longer")
-    return Path(found)
+        raise RaychatError(f"run {run} has no {wanted}: drop --step for the latest, or train longer")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog='Example: python -m raychat.sample --run-name d4 --prompt "The capital of France is"',
     )
     parser.add_argument("--run-name", required=True, help="the run to sample from (its --run-name)")
-    parser.add_argument("--storage-path", default="", help="where runs live (default $RAYCHAT_HOME/runs)")
+    parser.add_argument("--storage-path", default="",
+                        help="where runs live: a directory or a URI such as s3://bucket/runs "
+                             "(default $RAYCHAT_HOME/runs)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--tokenizer-dir", default="", help="tokenizer (default $RAYCHAT_HOME/tokenizer)")
     parser.add_argument("--prompt", action="append", default=None,
@@ -45,14 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=42, help="sampling seed")
     args = parser.parse_args(argv)
 
-    run_dir = Path(args.storage_path or default_storage_path()).expanduser() / args.run_name
-    ckpt = find_checkpoint(run_dir, args.step)
+    run = Storage(args.storage_path or str(default_storage_path())).child(args.run_name)
+    ckpt = find_checkpoint(run, args.step)
     tokenizer = Tokenizer.load(args.tokenizer_dir or default_tokenizer_dir())
     meta = read_meta(ckpt)
     check_vocab(tokenizer, meta["vocab_size"], meta.get("tokenizer_fingerprint"), str(ckpt))
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model_state, _, meta = load_checkpoint(ckpt, device=device, load_optimizer=False, verified=True)
+    model_state, _, meta = load_checkpoint(ckpt, device=device, load_optimizer=False)
     model = build_model(GPTConfig(**meta["model_config"]), device)
     model.load_state_dict(model_state, strict=True)
     model.eval()

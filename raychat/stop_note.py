@@ -8,35 +8,23 @@ disk or a URI, through pyarrow's filesystem like Ray itself), and the driver rea
 
 import json
 
-import pyarrow.fs as pafs
+from raychat.storage import Storage
 
 NOTE_NAME = "raychat_stopped.json"
 
 
-def _fs_and_path(storage_path: str, run_name: str) -> tuple[pafs.FileSystem, str]:
-    if "://" in storage_path:
-        fs, root = pafs.FileSystem.from_uri(storage_path)
-    else:
-        fs, root = pafs.LocalFileSystem(), storage_path
-    return fs, f"{root.rstrip('/')}/{run_name}/{NOTE_NAME}"
+def _run(storage_path: str, run_name: str) -> Storage:
+    return Storage(storage_path).child(run_name)
 
 
 def write_stop_note(storage_path: str, run_name: str, note: dict) -> None:
-    fs, path = _fs_and_path(storage_path, run_name)
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(path) as f:
-        f.write(json.dumps(note).encode())
+    _run(storage_path, run_name).write_bytes(NOTE_NAME, json.dumps(note).encode())
 
 
 def read_stop_note(storage_path: str, run_name: str) -> dict | None:
-    fs, path = _fs_and_path(storage_path, run_name)
-    if fs.get_file_info(path).type == pafs.FileType.NotFound:
-        return None
-    with fs.open_input_stream(path) as f:
-        return json.loads(f.read().decode())
+    run = _run(storage_path, run_name)
+    return json.loads(run.read_bytes(NOTE_NAME)) if run.exists(NOTE_NAME) else None
 
 
 def clear_stop_note(storage_path: str, run_name: str) -> None:
-    fs, path = _fs_and_path(storage_path, run_name)
-    if fs.get_file_info(path).type != pafs.FileType.NotFound:
-        fs.delete_file(path)
+    _run(storage_path, run_name).delete(NOTE_NAME)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from raychat.checkpoint import latest_valid_checkpoint, read_meta
@@ -28,8 +28,10 @@ from raychat.common import (
 )
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.corpus import prepare_default_corpus, validate_corpus
+from raychat.resume import driver_choice
 from raychat.scaling import format_plan, resolve_plan
 from raychat.stop_note import clear_stop_note, read_stop_note
+from raychat.storage import Storage, normalize_location
 from raychat.tokenizer import Tokenizer, check_vocab, train_tokenizer
 from raychat.worker import train_loop_per_worker
 
@@ -38,21 +40,19 @@ from raychat.worker import train_loop_per_worker
 class RunPaths:
     data_dir: str
     tokenizer_dir: str
-    storage_path: str  # local path or URI
-    run_dir: str | None  # local run directory, None for remote storage
+    storage_path: str  # absolute local path or URI (query parameters kept)
 
     @classmethod
     def resolve(cls, cfg: TrainConfig) -> "RunPaths":
-        storage = cfg.storage_path or str(default_storage_path())
-        local = "://" not in storage
-        if local:
-            storage = str(Path(storage).expanduser().resolve())
         return cls(
             data_dir=str(Path(cfg.data_dir or default_data_dir()).expanduser().resolve()),
             tokenizer_dir=str(Path(cfg.tokenizer_dir or default_tokenizer_dir()).expanduser().resolve()),
-            storage_path=storage,
-            run_dir=str(Path(storage) / cfg.name) if local else None,
+            storage_path=normalize_location(cfg.storage_path or str(default_storage_path())),
         )
+
+    def run(self, name: str) -> Storage:
+        """The run's directory: `<storage_path>/<name>`."""
+        return Storage(self.storage_path).child(name)
 
 
 def connect_ray(num_workers: int) -> None:
@@ -75,19 +75,6 @@ def connect_ray(num_workers: int) -> None:
              runtime_env=runtime_env)
 
 
-def check_storage_writable(paths: RunPaths) -> None:
-    if paths.run_dir is None:
-        return  # remote storage: Ray reports access errors when it first writes
-    try:
-        Path(paths.storage_path).mkdir(parents=True, exist_ok=True)
-        probe = Path(paths.storage_path) / f".raychat_write_test_{uuid.uuid4().hex}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise RaychatError(f"--storage-path {paths.storage_path} is not writable ({e.strerror}): "
-                           "choose a directory you can write to") from None
-
-
 def prepare_inputs(cfg: TrainConfig, paths: RunPaths, log=print) -> Tokenizer:
     """Corpus and tokenizer ready and valid, or a one-line error before any worker starts."""
     data_dir = Path(paths.data_dir)
@@ -107,20 +94,19 @@ def prepare_inputs(cfg: TrainConfig, paths: RunPaths, log=print) -> Tokenizer:
     return tokenizer
 
 
-def check_resumable(paths: RunPaths, tokenizer: Tokenizer, log=print) -> None:
-    """If the run exists, its checkpoint must fit this tokenizer; say where we resume from."""
-    if paths.run_dir is None or not Path(paths.run_dir).exists():
-        return
-    latest = latest_valid_checkpoint(paths.run_dir)
+def check_resumable(cfg: TrainConfig, paths: RunPaths, tokenizer: Tokenizer, log=print) -> Storage | None:
+    """The checkpoint this run resumes from (hashes verified), which must fit this tokenizer."""
+    latest = driver_choice(paths.run(cfg.name), cfg.resume_from_step, log=lambda m: log(f"warning: {m}"))
     if latest is None:
-        return
+        return None
     meta = read_meta(latest)
     check_vocab(tokenizer, meta["vocab_size"], meta.get("tokenizer_fingerprint"), str(latest))
-    log(f"Run {paths.run_dir} exists: resuming from {latest} (step {meta['step']})")
+    log(f"Run {paths.run(cfg.name)} exists: resuming from {latest.name} (step {meta['step']})")
+    return latest
 
 
-def build_trainer(cfg: TrainConfig, *, run_config_overrides: dict | None = None,
-                  callbacks: list | None = None) -> TorchTrainer:
+def build_trainer(cfg: TrainConfig, *, resume_from: Storage | None = None,
+                  run_config_overrides: dict | None = None, callbacks: list | None = None) -> TorchTrainer:
     """The TorchTrainer for one raychat run (used by the CLI and by every tune.sweep trial)."""
     paths = RunPaths.resolve(cfg)
     min_workers, max_workers = cfg.worker_range()
@@ -140,7 +126,6 @@ def build_trainer(cfg: TrainConfig, *, run_config_overrides: dict | None = None,
         name=cfg.name,
         storage_path=paths.storage_path,
         failure_config=FailureConfig(max_failures=cfg.max_failures),
-        checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
         callbacks=callbacks,
     )
     run_kwargs.update(run_config_overrides or {})
@@ -150,8 +135,11 @@ def build_trainer(cfg: TrainConfig, *, run_config_overrides: dict | None = None,
             "train_config": cfg.to_dict(),
             "data_dir": paths.data_dir,
             "tokenizer_dir": paths.tokenizer_dir,
-            "run_dir": paths.run_dir,
             "storage_path": paths.storage_path,
+            # A new id per driver run: checkpoints carry it, so a restarted worker group resumes from
+            # what this run wrote, and a new run from the driver's choice.
+            "session": uuid.uuid4().hex,
+            "resume_from": resume_from.name if resume_from is not None else None,
         },
         scaling_config=scaling,
         run_config=RunConfig(**run_kwargs),
@@ -191,17 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     add_config_flags(parser)
     cfg = config_from_args(parser.parse_args(argv))
     paths = RunPaths.resolve(cfg)
-    check_storage_writable(paths)
+    Storage(paths.storage_path).check_writable()
     tokenizer = prepare_inputs(cfg, paths)
     min_workers, max_workers = cfg.worker_range()
     plan = resolve_plan(cfg, tokenizer.vocab_size, world_size=max_workers)
     if min_workers != max_workers:
         resolve_plan(cfg, tokenizer.vocab_size, world_size=min_workers)  # every size in range must work
     print(format_plan(plan), flush=True)
-    check_resumable(paths, tokenizer)
+    resume_from = check_resumable(cfg, paths, tokenizer)
 
     connect_ray(max_workers)
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, resume_from=resume_from)
     clear_stop_note(paths.storage_path, cfg.name)
     t0 = time.time()
     try:
@@ -214,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = read_stop_note(paths.storage_path, cfg.name)
     if stop is not None:
         raise RaychatError(f"loss became NaN/inf at step {stop['step']}: training stopped; the last good "
-                           f"checkpoint is kept in {paths.run_dir or paths.storage_path} (lower the "
+                           f"checkpoint is kept in {paths.run(cfg.name)} (lower the "
                            "learning rates or check the data, then re-run to resume)")
     metrics = result.metrics or {}
     print("Training done.", flush=True)
@@ -225,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
           f"(wall {(time.time() - t0) / 60:.2f}m)")
     if metrics.get("peak_memory_mib"):
         print(f"  peak memory     : {metrics['peak_memory_mib']:,.0f} MiB (rank 0)")
-    if result.checkpoint is not None:
-        print(f"  checkpoint      : {result.checkpoint.path}")
+    final = latest_valid_checkpoint(paths.run(cfg.name), deep=False)
+    if final is not None:
+        print(f"  checkpoint      : {final}")
     sys.stdout.flush()
     return 0
 

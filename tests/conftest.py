@@ -1,5 +1,6 @@
-"""Shared fixtures: an isolated RAYCHAT_HOME per test session and one local Ray cluster for all
-integration tests (starting Ray costs seconds; tests share it and it is stopped at the end).
+"""Shared fixtures: an isolated RAYCHAT_HOME per test session, one local Ray cluster for all
+integration tests (starting Ray costs seconds; tests share it and it is stopped at the end), and one
+real S3 API (moto's standalone server on 127.0.0.1) for the tests that run on object storage.
 
 The cluster is a real `ray start --head` with its dashboard on 127.0.0.1 (so `ray job submit` can be
 tested against it), on free ports and its own temp dir, so parallel test runs never collide and
@@ -8,6 +9,7 @@ teardown stops exactly the processes this session started.
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,6 +29,15 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # `ray start --head` turns on token authentication (token in ~/.ray/auth_token); every client of the
 # session cluster (this process, driver subprocesses, `ray job submit`) must present it.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+if not os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+    # A fresh machine has no token yet, and `ray start` does not create one: use a session token.
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+# Credentials for the test S3 server, set before any Ray process starts so workers inherit them;
+# no instance-metadata lookups (there is no cloud here).
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "raychat-test")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "raychat-test")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -110,6 +121,40 @@ def ray_session(raychat_home):
         _stop_processes_under(temp_dir)
         time.sleep(0.5)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+TEST_BUCKET = "raychat-test"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's standalone S3 server (a real HTTP S3 API) on 127.0.0.1 and a free port, with a bucket;
+    yields "127.0.0.1:PORT". Stopped at the end of the session."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        boto3.client("s3", endpoint_url=f"http://{host}:{port}").create_bucket(Bucket=TEST_BUCKET)
+        yield f"{host}:{port}"
+    finally:
+        server.stop()
+
+
+def s3_uri(endpoint: str, prefix: str, bucket: str = TEST_BUCKET) -> str:
+    return f"s3://{bucket}/{prefix}?endpoint_override={endpoint}&scheme=http"
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request, tmp_path):
+    """Where a test's runs live, once on local disk and once in the S3 bucket (a fresh prefix per
+    test): a local path or an s3:// URI with its endpoint in the query, as a user passes it."""
+    if request.param == "local":
+        return str(tmp_path / "storage")
+    endpoint = request.getfixturevalue("s3_endpoint")
+    return s3_uri(endpoint, f"{request.node.name.replace('[', '-').rstrip(']')}-{time.time_ns()}")
 
 
 def _stdlib_docs(min_chars: int = 120) -> list[str]:

@@ -1,5 +1,5 @@
-"""Checkpoints: bit-exact round trips, damage detection, no unpickling, the async writer, and the
-directory layout Ray Train V2 really produces."""
+"""Checkpoints: bit-exact round trips, damage detection, no unpickling, the async writer and the saver,
+on local disk and in a real S3 API (moto's server)."""
 
 import hashlib
 import json
@@ -14,14 +14,17 @@ from raychat.checkpoint import (
     MANIFEST_FILE,
     MODEL_FILE,
     OPTIM_FILE,
-    AsyncCheckpointWriter,
+    CheckpointDamaged,
     is_complete,
     latest_valid_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    prune_checkpoints,
     save_checkpoint,
 )
 from raychat.common import RaychatError
+from raychat.saver import AsyncCheckpointWriter, CheckpointSaver
+from raychat.storage import Storage
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -125,68 +128,101 @@ def test_real_optimizer_resumes_identically_after_round_trip(tmp_path):
     assert_same_tree(net2.state_dict(), net.state_dict())
 
 
-def make_run(run_dir: Path, steps: list[int]) -> list[Path]:
-    """Checkpoints named the way Ray Train V2 names them (checkpoint_%Y-%m-%d_%H-%M-%S.%f)."""
+def make_run(run: Storage, steps: list[int]) -> list[Storage]:
+    """Checkpoints named as raychat names them, written one after the other."""
     dirs = []
-    for i, step in enumerate(steps):
-        d = run_dir / f"checkpoint_2026-11-30_12-00-{i:02d}.000000"
+    for step in steps:
+        d = run.child(f"checkpoint_{step:06d}")
         model, optim, _ = tiny_state(seed=step)
         save_checkpoint(d, model, optim, {"step": step})
         dirs.append(d)
-    (run_dir / "checkpoint_manager_snapshot.json").write_text("{}")  # Ray's own file sits beside them
+    run.write_bytes("raychat_stopped.json", b"{}")  # other files of the run sit beside them
     return dirs
 
 
-def test_truncated_file_is_damaged_and_the_previous_checkpoint_is_used(tmp_path, capsys):
-    older, newest = make_run(tmp_path / "run", [50, 100])
-    with open(newest / OPTIM_FILE, "r+b") as f:
-        f.truncate(os.path.getsize(newest / OPTIM_FILE) // 2)
+def truncate(directory: Storage, name: str) -> None:
+    data = directory.read_bytes(name)
+    directory.write_bytes(name, data[: len(data) // 2])
+
+
+def test_truncated_file_is_damaged_and_the_previous_checkpoint_is_used(storage, capsys):
+    run = Storage(storage).child("run")
+    older, newest = make_run(run, [50, 100])
+    truncate(newest, OPTIM_FILE)
 
     assert not is_complete(newest)
-    with pytest.raises(RaychatError) as err:
+    with pytest.raises(CheckpointDamaged) as err:
         load_checkpoint(newest)
     assert str(newest) in str(err.value) and "\n" not in str(err.value)
 
-    assert latest_valid_checkpoint(tmp_path / "run") == older
+    assert latest_valid_checkpoint(run) == older
     warning = capsys.readouterr().err.strip()
     assert len(warning.splitlines()) == 1
     assert "skipping damaged checkpoint" in warning and str(newest) in warning
 
-    _, _, meta = load_checkpoint(latest_valid_checkpoint(tmp_path / "run", log=lambda _: None))
+    _, _, meta = load_checkpoint(latest_valid_checkpoint(run, log=lambda _: None))
     assert meta == {"step": 50}
 
 
-def test_flipped_byte_with_the_right_size_is_caught_by_the_hash(tmp_path):
-    (ckpt,) = make_run(tmp_path / "run", [10])
-    data = bytearray((ckpt / MODEL_FILE).read_bytes())
+def test_flipped_byte_with_the_right_size_is_caught_by_the_hash(storage):
+    run = Storage(storage).child("run")
+    (ckpt,) = make_run(run, [10])
+    data = bytearray(ckpt.read_bytes(MODEL_FILE))
     data[-100] ^= 0xFF
-    (ckpt / MODEL_FILE).write_bytes(bytes(data))
-    assert not is_complete(ckpt)
+    ckpt.write_bytes(MODEL_FILE, bytes(data))
+    assert is_complete(ckpt) is False
+    assert latest_valid_checkpoint(run, deep=False) == ckpt  # sizes alone cannot see it
     warnings = []
-    assert latest_valid_checkpoint(tmp_path / "run", log=warnings.append) is None
+    assert latest_valid_checkpoint(run, log=warnings.append) is None
     assert len(warnings) == 1 and "sha256" in warnings[0]
+    with pytest.raises(CheckpointDamaged, match="sha256"):  # loading checks as it streams
+        load_checkpoint(ckpt)
 
 
-def test_missing_manifest_means_incomplete(tmp_path):
-    older, newest = make_run(tmp_path / "run", [1, 2])
-    (newest / MANIFEST_FILE).unlink()
+def test_missing_manifest_means_incomplete(storage):
+    run = Storage(storage).child("run")
+    older, newest = make_run(run, [1, 2])
+    newest.delete(MANIFEST_FILE)
     assert not is_complete(newest)
     with pytest.raises(RaychatError, match="manifest"):
         load_checkpoint(newest)
     warnings = []
-    assert latest_valid_checkpoint(tmp_path / "run", log=warnings.append) == older
+    assert latest_valid_checkpoint(run, log=warnings.append) == older
     assert warnings == [f"skipping damaged checkpoint {newest}: no manifest.json (the save did not finish)"]
 
 
-def test_latest_valid_checkpoint_by_step_and_on_empty_runs(tmp_path):
-    first, second, third = make_run(tmp_path / "run", [50, 100, 150])
-    assert list_checkpoints(tmp_path / "run") == [first, second, third]
-    assert latest_valid_checkpoint(tmp_path / "run") == third
-    assert latest_valid_checkpoint(tmp_path / "run", step=100) == second
-    assert latest_valid_checkpoint(tmp_path / "run", step=75) is None
-    assert latest_valid_checkpoint(tmp_path / "no-such-run") is None
-    (tmp_path / "empty").mkdir()
-    assert latest_valid_checkpoint(tmp_path / "empty") is None
+def test_latest_valid_checkpoint_by_step_and_on_empty_runs(storage):
+    root = Storage(storage)
+    first, second, third = make_run(root.child("run"), [50, 100, 150])
+    assert list_checkpoints(root.child("run")) == [first, second, third]
+    assert latest_valid_checkpoint(root.child("run")) == third
+    assert latest_valid_checkpoint(root.child("run"), step=100) == second
+    assert latest_valid_checkpoint(root.child("run"), step=75) is None
+    assert latest_valid_checkpoint(root.child("no-such-run")) is None
+
+
+def test_latest_is_the_last_written_not_the_highest_step(tmp_path):
+    """After --resume-from-step rewinds a run, its new checkpoints are the latest although the
+    abandoned branch has higher step numbers (order: manifest time, whole seconds, then step)."""
+    run = Storage(str(tmp_path / "run"))
+    old_10, old_20 = make_run(run, [10, 20])
+    for directory, seconds in ((old_10, 1000), (old_20, 2000)):
+        os.utime(directory.path(MANIFEST_FILE), (seconds, seconds))
+    (new_15,) = make_run(run, [15])  # written now, long after 2000 s past the epoch
+    assert list_checkpoints(run) == [old_10, old_20, new_15]
+    assert latest_valid_checkpoint(run) == new_15
+    assert prune_checkpoints(run, keep=2) == ["checkpoint_000010"]
+    assert list_checkpoints(run) == [old_20, new_15]
+
+
+def test_prune_keeps_the_newest_complete_ones(storage):
+    run = Storage(storage).child("run")
+    dirs = make_run(run, [1, 2, 3, 4])
+    dirs[3].delete(MANIFEST_FILE)  # the newest is incomplete: it does not count toward keep
+    assert prune_checkpoints(run, keep=2) == ["checkpoint_000001"]
+    assert [c.name for c in list_checkpoints(run)] == ["checkpoint_000002", "checkpoint_000003",
+                                                       "checkpoint_000004"]
+    assert prune_checkpoints(run, keep=0) == []  # 0: keep everything
 
 
 class RunsCodeWhenUnpickled:
@@ -215,7 +251,7 @@ def test_a_pickled_object_is_never_loaded(tmp_path):
     pickle.loads(pickle.dumps(RunsCodeWhenUnpickled(str(tmp_path / "control"))))
     assert (tmp_path / "control").exists()
 
-    with pytest.raises(RaychatError) as err:
+    with pytest.raises(CheckpointDamaged) as err:
         load_checkpoint(ckpt)
     assert str(ckpt / MODEL_FILE) in str(err.value) and "\n" not in str(err.value)
     assert not marker.exists()
@@ -240,27 +276,28 @@ def large_state(seed: int) -> tuple[dict, dict, dict]:
     return model, optim, {"step": seed}
 
 
-def test_async_writer_returns_before_writing_and_writes_what_a_sync_save_writes(tmp_path):
+def test_async_writer_writes_the_snapshot_taken_at_submit(storage):
+    root = Storage(storage)
     model, optim, meta = large_state(seed=1)
-    save_checkpoint(tmp_path / "sync", model, optim, meta)
+    save_checkpoint(root.child("sync"), model, optim, meta)
+    expected = {k: v.clone() for k, v in model.items()}
 
     with AsyncCheckpointWriter() as writer:
-        writer.submit(tmp_path / "async", model, optim, meta)
-        # submit() returned after the snapshot; the files are still being written
-        assert not writer.done()
-        assert not is_complete(tmp_path / "async")
-        # training goes on and changes the live state: the checkpoint keeps the snapshot
+        writer.submit(root.child("async"), model, optim, meta)
+        # training goes on and changes the live state at once: the checkpoint keeps the snapshot
         for t in model.values():
             t.add_(1.0)
         optim["state"]["h.0.weight"]["step"] = 4
         meta["step"] = 999
-        assert writer.wait() == tmp_path / "async"
+        assert writer.wait() == root.child("async")
         assert writer.done()
 
-    assert is_complete(tmp_path / "async")
-    for name in sorted(os.listdir(tmp_path / "sync")):
-        assert (tmp_path / "async" / name).read_bytes() == (tmp_path / "sync" / name).read_bytes(), name
-    assert sorted(os.listdir(tmp_path / "async")) == sorted(os.listdir(tmp_path / "sync"))
+    assert is_complete(root.child("async"))
+    for name in (MODEL_FILE, OPTIM_FILE, "meta.json", MANIFEST_FILE):
+        assert root.child("async").read_bytes(name) == root.child("sync").read_bytes(name), name
+    saved, _, saved_meta = load_checkpoint(root.child("async"))
+    assert saved_meta == {"step": 1}
+    assert_same_tree(saved, expected)
 
 
 def test_async_writer_back_to_back_saves_keep_their_own_snapshots(tmp_path):
@@ -285,7 +322,7 @@ def test_async_write_failure_surfaces_in_wait(tmp_path):
     writer.submit(tmp_path / "a-file" / "ckpt", {"w": torch.ones(1)}, {}, {})
     with pytest.raises(RaychatError, match="writing checkpoint .*a-file/ckpt failed"):
         writer.wait()
-    assert writer.wait() == tmp_path / "a-file" / "ckpt"  # the error is reported once
+    assert writer.wait() == Storage(str(tmp_path / "a-file" / "ckpt"))  # the error is reported once
     writer.close()
 
 
@@ -297,45 +334,20 @@ def test_overwriting_a_checkpoint_replaces_it(tmp_path):
     assert not any(name.endswith(".tmp") for name in os.listdir(tmp_path / "ckpt"))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Real Ray Train V2: the writer's directory handed to ray.train.report with asynchronous upload lands
-# under <storage_path>/<run_name>/checkpoint_<timestamp>/, complete, and is what Ray hands back.
-
-
-@pytest.mark.ray
-@pytest.mark.timeout(180)
-def test_ray_train_stores_complete_checkpoints_where_latest_valid_checkpoint_looks(ray_session, tmp_path):
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    # defined here, not at module level, so Ray ships it by value (workers cannot import this file)
-    def train_fn(config):
-        import tempfile
-
-        import ray.train
-
-        from raychat.checkpoint import AsyncCheckpointWriter
-
-        with AsyncCheckpointWriter() as writer:
-            for step in (1, 2):
-                weights = {"w": torch.full((256, 256), float(step))}
-                directory = tempfile.mkdtemp(prefix="raychat-ckpt-")
-                writer.submit(directory, weights, {"state": {"w": {"step": step}}}, {"step": step})
-                writer.wait()
-                ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                                 checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
-
-    trainer = TorchTrainer(train_fn, scaling_config=ScalingConfig(num_workers=1),
-                           run_config=RunConfig(name="ckpt-run", storage_path=str(tmp_path),
-                                                checkpoint_config=CheckpointConfig(num_to_keep=2)))
-    result = trainer.fit()
-
-    run_dir = tmp_path / "ckpt-run"
-    checkpoints = list_checkpoints(run_dir)
-    assert len(checkpoints) == 2 and all(p.name.startswith("checkpoint_") for p in checkpoints)
-    assert load_checkpoint(checkpoints[0])[2] == {"step": 1}  # names sort oldest first
-    latest = latest_valid_checkpoint(run_dir)
-    assert latest == Path(result.checkpoint.path)
-    model, optim, meta = load_checkpoint(latest)
-    assert meta == {"step": 2} and optim == {"state": {"w": {"step": 2}}}
-    assert torch.equal(model["w"], torch.full((256, 256), 2.0))
+def test_saver_prunes_logs_the_stall_and_finishes_before_an_early_stop(storage):
+    run = Storage(storage).child("run")
+    lines = []
+    saver = CheckpointSaver(run, keep=2, enabled=True, log=lines.append)
+    model, optim, _ = tiny_state()
+    for step in (5, 10, 15):
+        saver.save(step, model, optim, {"step": step})
+    # A stop (NaN) finishes the save in flight: the last good checkpoint is whole, not leaked.
+    assert saver.finish() == 15 and saver.latest_step == 15
+    assert [c.name for c in list_checkpoints(run)] == ["checkpoint_000010", "checkpoint_000015"]
+    assert all(is_complete(c) for c in list_checkpoints(run))
+    assert len(lines) == 3 and all("training stalled" in line and "written in" in line for line in lines)
+    assert saver.poll() is None  # nothing in flight
+    saver.close()
+    # Other ranks hold a disabled saver: no writes.
+    CheckpointSaver(run.child("other"), keep=2, enabled=False, log=lines.append).save(20, model, optim, {})
+    assert not run.child("other").exists()

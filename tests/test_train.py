@@ -1,5 +1,6 @@
 """The trainer end to end: `python -m raychat.train` as a user runs it, on the shared Ray cluster,
-2 CPU workers with gloo, a tiny real-text corpus. Killed workers, resizes, bad input."""
+2 CPU workers with gloo, a tiny real-text corpus, runs stored on local disk and in a real S3 API.
+Killed workers, resizes, resumes, bad input."""
 
 import json
 import os
@@ -11,8 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 import torch
+
+from raychat.checkpoint import OPTIM_FILE, is_complete, list_checkpoints, read_meta
+from raychat.storage import Storage
 
 pytestmark = pytest.mark.ray
 
@@ -30,7 +35,7 @@ TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-l
         "--warmup-steps", "2", "--sample-every", "-1"]
 
 
-def tiny_flags(tiny_corpus, storage: Path, run_name: str, *extra: str) -> list[str]:
+def tiny_flags(tiny_corpus, storage: str | Path, run_name: str, *extra: str) -> list[str]:
     data_dir, tokenizer_dir = tiny_corpus
     return [*TINY, "--data-dir", str(data_dir), "--tokenizer-dir", str(tokenizer_dir),
             "--storage-path", str(storage), "--run-name", run_name, *extra]
@@ -51,11 +56,32 @@ def log_lines(output: str, pattern: re.Pattern) -> list[re.Match]:
     return found
 
 
-def final_model_state(run_dir: Path) -> dict[str, torch.Tensor]:
+def final_model_state(run: Storage) -> dict[str, torch.Tensor]:
     from raychat.checkpoint import latest_valid_checkpoint, load_checkpoint
 
-    model_state, _, _ = load_checkpoint(latest_valid_checkpoint(run_dir))
+    model_state, _, _ = load_checkpoint(latest_valid_checkpoint(run))
     return model_state
+
+
+def checkpoint_names(run: Storage) -> list[str]:
+    return sorted(c.name for c in list_checkpoints(run))
+
+
+def all_files(run: Storage) -> dict[str, bytes]:
+    """Every file below a run directory and its bytes (local or in the bucket)."""
+    infos = run.fs.get_file_info(pafs.FileSelector(run.root, recursive=True))
+    files = {}
+    for info in infos:
+        if info.type == pafs.FileType.File:
+            with run.fs.open_input_stream(info.path) as f:
+                files[info.path] = f.read()
+    return files
+
+
+def run_sample(storage: str, run_name: str, tokenizer_dir, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "raychat.sample", "--run-name", run_name, "--storage-path",
+                           storage, "--tokenizer-dir", str(tokenizer_dir), "--prompt", "The", *extra],
+                          capture_output=True, text=True, timeout=120)
 
 
 def read_trace(trace_dir: Path) -> dict[int, list[tuple[int, int, int]]]:
@@ -70,10 +96,12 @@ def read_trace(trace_dir: Path) -> dict[int, list[tuple[int, int, int]]]:
     return {step: attempts[max(attempts, key=float)] for step, attempts in by_step.items()}
 
 
-def test_two_workers_learn_log_and_checkpoint(ray_session, tiny_corpus, tmp_path):
-    result = run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "basic", "--num-workers", "2",
-                                               "--total-batch-size", "1024", "--num-iterations", "16",
-                                               "--eval-every", "8", "--save-every", "8"))
+def test_two_workers_learn_log_checkpoint_sample_and_resume(ray_session, tiny_corpus, tmp_path, storage):
+    data_dir, tokenizer_dir = tiny_corpus
+    flags = ["--num-workers", "2", "--total-batch-size", "1024", "--eval-every", "8", "--save-every", "4",
+             "--keep-checkpoints", "2"]
+    result = run_train(ray_session, tiny_flags(tiny_corpus, storage, "basic", *flags,
+                                               "--num-iterations", "16"))
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "rows per step" in out and "tokens : scaling params" in out  # the plan is printed first
@@ -87,37 +115,49 @@ def test_two_workers_learn_log_and_checkpoint(ray_session, tiny_corpus, tmp_path
     assert bpbs[0] > bpbs[1] > bpbs[2] and bpbs[2] < bpbs[0] - 0.1, bpbs  # it learns
     # The seven sample prompts are printed at the end.
     assert "The capital of France is" in out and "If 5*x + 3 = 13, then x is" in out
-    # Checkpoints at 8 and 16, complete, with the cursor and loop state.
-    from raychat.checkpoint import is_complete
-
-    run_dir = tmp_path / "basic"
-    ckpts = sorted(p.name for p in run_dir.glob("checkpoint_*") if p.is_dir())
-    assert ckpts == ["checkpoint_000008", "checkpoint_000016"]
-    assert all(is_complete(run_dir / c) for c in ckpts)
-    meta = json.loads((run_dir / "checkpoint_000016" / "meta.json").read_text())
+    # Checkpoints at 4, 8, 12, 16, the two newest kept (--keep-checkpoints 2), complete, with the
+    # cursor and loop state; each save says how long it stalled training.
+    run = Storage(storage).child("basic")
+    assert checkpoint_names(run) == ["checkpoint_000012", "checkpoint_000016"]
+    assert all(is_complete(c) for c in list_checkpoints(run))
+    meta = read_meta(run.child("checkpoint_000016"))
     assert meta["step"] == 16 and meta["world_size"] == 2 and meta["cursor"]
     assert meta["loop_state"]["min_val_bpb"] == pytest.approx(min(bpbs), abs=1e-6)
-    assert "min val bpb" in out and "checkpoint" in out
+    saves = re.findall(r"Checkpoint checkpoint_0000(04|08|12|16) saved .* training stalled \d+ms", out)
+    assert len(saves) == 4
+    assert "min val bpb" in out and "checkpoint_000016" in out
 
-    # Sampling from the run works; a tokenizer of another vocabulary is refused.
-    _, tokenizer_dir = tiny_corpus
-    sample = subprocess.run([sys.executable, "-m", "raychat.sample", "--run-name", "basic", "--storage-path",
-                             str(tmp_path), "--tokenizer-dir", str(tokenizer_dir), "--prompt", "The",
-                             "--max-tokens", "8"], capture_output=True, text=True, timeout=120)
+    # Sampling from the run works; a tokenizer of another vocabulary is refused in one line.
+    sample = run_sample(storage, "basic", tokenizer_dir, "--max-tokens", "8")
     assert sample.returncode == 0, sample.stderr
     assert "step 16" in sample.stdout and "\nThe" in sample.stdout
+    from raychat.tokenizer import train_tokenizer
+
+    other_tok = tmp_path / "other_tok"
+    train_tokenizer(data_dir, other_tok, vocab_size=300, log=lambda *_: None)
+    line = one_error_line(run_sample(storage, "basic", other_tok))
+    assert "vocab" in line and "checkpoint_000016" in line
+
+    # The same run name resumes at step 16 (not 0) and trains on to 20.
+    resumed = run_train(ray_session, tiny_flags(tiny_corpus, storage, "basic", *flags,
+                                                "--num-iterations", "20"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from checkpoint_000016 (step 16)" in resumed.stdout
+    assert "Resumed from" in resumed.stdout and "at step 16" in resumed.stdout
+    assert [int(m.group(1)) for m in log_lines(resumed.stdout, STEP_LINE)] == [16, 17, 18, 19]
+    assert checkpoint_names(run) == ["checkpoint_000016", "checkpoint_000020"]
 
 
-def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path):
+def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path, storage):
     flags = ["--num-workers", "2", "--total-batch-size", "1024", "--num-iterations", "24",
              "--eval-every", "-1", "--save-every", "6"]
     trace = tmp_path / "trace"
     trace.mkdir()
     reference = subprocess.Popen(
-        [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, tmp_path, "reference", *flags)],
+        [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, storage, "reference", *flags)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_session.driver_env())
     crashed = subprocess.Popen(
-        [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, tmp_path, "crashed", *flags)],
+        [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, storage, "crashed", *flags)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=ray_session.driver_env(RAYCHAT_TRACE_DIR=str(trace)))
     try:
@@ -140,15 +180,15 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path)
                 proc.kill()
     assert crashed.returncode == 0, crashed_out[-3000:]
     assert reference.returncode == 0, reference_out[-3000:]
-    assert "Resumed from" in crashed_out
-    ref_state = final_model_state(tmp_path / "reference")
-    crash_state = final_model_state(tmp_path / "crashed")
+    assert "Resumed from" in crashed_out and "at step 6" in crashed_out
+    ref_state = final_model_state(Storage(storage).child("reference"))
+    crash_state = final_model_state(Storage(storage).child("crashed"))
     assert ref_state.keys() == crash_state.keys()
     for name in ref_state:
         assert torch.equal(ref_state[name], crash_state[name]), name
 
 
-def test_resize_two_to_one_consumes_every_doc_once(ray_session, tiny_corpus, tmp_path):
+def test_resize_two_to_one_consumes_every_doc_once(ray_session, tiny_corpus, tmp_path, storage):
     from raychat.corpus import CorpusIndex
     from raychat.cursor import UnitSchedule, expand
 
@@ -156,11 +196,11 @@ def test_resize_two_to_one_consumes_every_doc_once(ray_session, tiny_corpus, tmp
     trace = tmp_path / "trace"
     trace.mkdir()
     common = ["--total-batch-size", "2048", "--eval-every", "-1", "--save-every", "-1"]
-    first = run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "resize", "--num-workers", "2",
+    first = run_train(ray_session, tiny_flags(tiny_corpus, storage, "resize", "--num-workers", "2",
                                               "--num-iterations", "6", *common),
                       RAYCHAT_TRACE_DIR=str(trace))
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "resize", "--num-workers", "1",
+    second = run_train(ray_session, tiny_flags(tiny_corpus, storage, "resize", "--num-workers", "1",
                                                "--num-iterations", "24", *common),
                        RAYCHAT_TRACE_DIR=str(trace))
     assert second.returncode == 0, second.stderr[-3000:]
@@ -172,7 +212,7 @@ def test_resize_two_to_one_consumes_every_doc_once(ray_session, tiny_corpus, tmp
     # trained on exactly once, or still in flight in the final cursor (a long document can wait in
     # the packer's buffer), none lost.
     index = CorpusIndex.load(data_dir)
-    cursor = json.loads((tmp_path / "resize" / "checkpoint_000024" / "meta.json").read_text())["cursor"]
+    cursor = read_meta(Storage(storage).child("resize", "checkpoint_000024"))["cursor"]
     assert cursor["frontier"] >= len(index.train), "the run should pass the end of epoch 1"
     unit_at = UnitSchedule(index, None)
     owed = set(expand(cursor["in_flight"]))
@@ -250,36 +290,71 @@ def test_bad_input_fails_fast_with_one_line(ray_session, tiny_corpus, tmp_path):
     assert victim.name in line
 
 
-def test_wrong_tokenizer_nan_loss_and_damaged_checkpoint(ray_session, tiny_corpus, tmp_path):
+def test_bad_storage_fails_fast_with_one_line_and_writes_nothing(tiny_corpus, tmp_path, s3_endpoint):
+    from conftest import s3_uri
+
+    # No Ray here: these must fail before the driver connects to any cluster.
+    cases = {
+        s3_uri(s3_endpoint, "runs", bucket="no-such-bucket"): "bucket",
+        s3_uri("127.0.0.1:1", "runs"): "endpoint cannot be reached",
+    }
+    for uri, reason in cases.items():
+        result = subprocess.run([sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, uri, "bad")],
+                                capture_output=True, text=True, timeout=120)
+        line = one_error_line(result)
+        assert "--storage-path" in line and uri in line and reason in line, line
+        assert "No corpus" not in result.stdout  # failed before preparing anything
+    assert not Storage(s3_uri(s3_endpoint, "runs")).exists()
+
+
+def test_wrong_tokenizer_nan_loss_damaged_checkpoint_and_resume_from_step(ray_session, tiny_corpus, tmp_path,
+                                                                          storage):
     from raychat.tokenizer import train_tokenizer
 
     data_dir, _ = tiny_corpus
     base = ["--num-workers", "1", "--total-batch-size", "512", "--eval-every", "-1", "--save-every", "3"]
-    first = run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "run", *base, "--num-iterations", "6"))
+    first = run_train(ray_session, tiny_flags(tiny_corpus, storage, "run", *base, "--num-iterations", "6"))
     assert first.returncode == 0, first.stderr[-3000:]
-    run_dir = tmp_path / "run"
-    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    run = Storage(storage).child("run")
+    before = all_files(run)
 
     # Resuming with a tokenizer of another vocabulary is refused, and nothing is overwritten.
     other_tok = tmp_path / "other_tok"
     train_tokenizer(data_dir, other_tok, vocab_size=300, log=lambda *_: None)
-    flags = tiny_flags(tiny_corpus, tmp_path, "run", *base, "--num-iterations", "9")
+    flags = tiny_flags(tiny_corpus, storage, "run", *base, "--num-iterations", "9")
     flags[flags.index("--tokenizer-dir") + 1] = str(other_tok)
     line = one_error_line(run_train(ray_session, flags))
     assert "vocab" in line and "checkpoint_000006" in line
-    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    assert all_files(run) == before
 
-    # A damaged newest checkpoint is skipped for the previous one.
-    newest = run_dir / "checkpoint_000006"
-    biggest = max((p for p in newest.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
-    biggest.write_bytes(biggest.read_bytes()[:100])
-    resumed = run_train(ray_session, tiny_flags(tiny_corpus, tmp_path, "run", *base, "--num-iterations", "9"))
+    # A damaged newest checkpoint is skipped for the previous one, with a warning naming it.
+    newest = run.child("checkpoint_000006")
+    data = newest.read_bytes(OPTIM_FILE)
+    newest.write_bytes(OPTIM_FILE, data[: len(data) // 2])
+    resumed = run_train(ray_session, tiny_flags(tiny_corpus, storage, "run", *base, "--num-iterations", "9"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "checkpoint_000006" in resumed.stdout + resumed.stderr  # the warning names it
+    assert "skipping damaged checkpoint" in resumed.stdout + resumed.stderr
+    assert "checkpoint_000006" in resumed.stdout + resumed.stderr
     assert "at step 3" in resumed.stdout
+    assert [int(m.group(1)) for m in log_lines(resumed.stdout, STEP_LINE)] == list(range(3, 9))
 
-    # NaN loss: stop with the step named; the last good checkpoint stays.
-    exploding = tiny_flags(tiny_corpus, tmp_path, "nan", *base, "--num-iterations", "12",
+    # --resume-from-step rewinds to a chosen checkpoint; an absent step is refused in one line.
+    absent = tiny_flags(tiny_corpus, storage, "run", *base, "--num-iterations", "9",
+                        "--resume-from-step", "4")
+    line = one_error_line(run_train(ray_session, absent))
+    assert "--resume-from-step 4" in line and "checkpoint_000003" in line
+    rewound = run_train(ray_session, tiny_flags(tiny_corpus, storage, "run", *base, "--num-iterations", "9",
+                                                "--resume-from-step", "3"))
+    assert rewound.returncode == 0, rewound.stderr[-3000:]
+    assert "at step 3" in rewound.stdout
+    assert [int(m.group(1)) for m in log_lines(rewound.stdout, STEP_LINE)] == list(range(3, 9))
+
+    # NaN loss: stop with the step named; the last good checkpoint stays, whole and resumable.
+    exploding = tiny_flags(tiny_corpus, storage, "nan", *base, "--num-iterations", "12",
                            "--embedding-lr", "1e30", "--unembedding-lr", "1e30", "--matrix-lr", "1e30")
     line = one_error_line(run_train(ray_session, exploding))
-    assert re.search(r"NaN/inf at step \d+", line)
+    nan_step = int(re.search(r"NaN/inf at step (\d+)", line).group(1))
+    nan_run = Storage(storage).child("nan")
+    if nan_step > 3:
+        last_good = list_checkpoints(nan_run)[-1]
+        assert is_complete(last_good) and read_meta(last_good)["step"] == 3 * (nan_step // 3)

@@ -19,6 +19,7 @@ import argparse
 import csv
 import json
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raychat.common import RaychatError, default_storage_path, run_cli
+from raychat.storage import Storage, join_uri, normalize_location
 from tune.fit import ComputeOptimal, compute_optimal
 
 SWEEP_SPEC_FILE = "raychat_sweep.json"  # written by tune.sweep before Tune starts
@@ -38,15 +40,12 @@ COLUMNS = ["trial", "status", "depth", "width", "target_ratio", "flops_budget", 
 
 def resolve_storage(storage_path: str = "") -> str:
     """--storage-path as Ray wants it: an absolute local path or a URI (default: raychat's runs dir)."""
-    storage = storage_path or str(default_storage_path())
-    if "://" not in storage:
-        storage = str(Path(storage).expanduser().resolve())
-    return storage.rstrip("/")
+    return normalize_location(storage_path or str(default_storage_path()))
 
 
 def experiment_path(name: str, storage_path: str = "") -> str:
-    """<storage>/<name>: where the sweep `name` lives."""
-    return f"{resolve_storage(storage_path)}/{name}"
+    """<storage>/<name>: where the sweep `name` lives (a URI's ?query stays at the end)."""
+    return join_uri(resolve_storage(storage_path), name)
 
 
 @dataclass
@@ -64,40 +63,9 @@ class Trial:
         return None
 
 
-class SweepDir:
-    """A sweep's directory, local or a URI, through pyarrow's filesystems (what Ray itself uses)."""
-
-    def __init__(self, path: str):
-        if "://" not in path:
-            path = str(Path(path).expanduser().resolve())
-        try:
-            self.fs, self.root = pafs.FileSystem.from_uri(path)
-        except Exception as e:  # pyarrow raises several types for bad URIs / missing credentials
-            raise RaychatError(f"cannot open sweep directory {path}: {e}") from None
-        self.path = path
-
-    def exists(self, rel: str = "") -> bool:
-        return self.fs.get_file_info(self._join(rel)).type != pafs.FileType.NotFound
-
-    def list(self, rel: str = "") -> list[pafs.FileInfo]:
-        return self.fs.get_file_info(pafs.FileSelector(self._join(rel)))
-
-    def read_text(self, rel: str) -> str:
-        with self.fs.open_input_stream(self._join(rel)) as f:
-            return f.read().decode("utf-8")
-
-    def write_text(self, rel: str, text: str) -> None:
-        self.fs.create_dir(self.root, recursive=True)
-        with self.fs.open_output_stream(self._join(rel)) as f:
-            f.write(text.encode("utf-8"))
-
-    def _join(self, rel: str) -> str:
-        return f"{self.root}/{rel}" if rel else self.root
-
-
-def _trial_states(storage: SweepDir) -> dict[str, str]:
+def _trial_states(storage: Storage) -> dict[str, str]:
     """Trial directory name -> Tune status, from the newest experiment state (JSON, never unpickled)."""
-    states = sorted(info.base_name for info in storage.list()
+    states = sorted(info.base_name for info in storage.entries()
                     if info.base_name.startswith("experiment_state-") and info.base_name.endswith(".json"))
     if not states:
         return {}
@@ -120,7 +88,7 @@ def _status(tune_status: str | None, results: list[dict[str, Any]]) -> str:
 
 def load_sweep(path: str) -> list[Trial]:
     """Every trial of the sweep at `path`, in the order the sweep defined them."""
-    storage = SweepDir(path)
+    storage = Storage(path)
     if not storage.exists():
         raise RaychatError(f"no sweep at {path}: check --name and --storage-path (the sweep prints "
                            "its directory when it starts)")
@@ -129,7 +97,7 @@ def load_sweep(path: str) -> list[Trial]:
         specs = {t["name"]: t for t in json.loads(storage.read_text(SWEEP_SPEC_FILE))["trials"]}
     statuses = _trial_states(storage)
     found: dict[str, Trial] = {}
-    for info in storage.list():
+    for info in storage.entries():
         if info.type != pafs.FileType.Directory or not storage.exists(f"{info.base_name}/params.json"):
             continue
         spec = json.loads(storage.read_text(f"{info.base_name}/params.json")).get("trial")
@@ -137,8 +105,8 @@ def load_sweep(path: str) -> list[Trial]:
             continue  # not a tune.sweep trial
         results = []
         if storage.exists(f"{info.base_name}/result.json"):
-            results = [json.loads(line) for line in storage.read_text(f"{info.base_name}/result.json")
-                       .splitlines() if line.strip()]
+            results = _one_result_per_step([json.loads(line) for line in storage.read_text(
+                f"{info.base_name}/result.json").splitlines() if line.strip()])
         status = _status(statuses.get(info.base_name), results)
         found[spec["name"]] = Trial(spec["name"], status, spec, results)
     if not found and not specs:
@@ -146,6 +114,16 @@ def load_sweep(path: str) -> list[Trial]:
                            "with `python -m tune.sweep`?")
     order = list(specs) + sorted(set(found) - set(specs))
     return [found.get(name) or Trial(name, "not started", specs[name]) for name in order]
+
+
+def _one_result_per_step(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A trial restarted from a checkpoint redoes (and reports again) the steps after it: keep the
+    latest report of each step, in step order, so every (trial, step) counts once."""
+    by_step: dict[Any, dict[str, Any]] = {}
+    for result in results:
+        by_step.pop(result.get("step"), None)  # re-insert: the latest report takes the latest place
+        by_step[result.get("step")] = result
+    return sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
 
 
 def trial_row(trial: Trial) -> dict[str, Any]:
@@ -356,11 +334,21 @@ def plot_iso_flop(points: list[tuple[float, float, float, float]], result: Compu
     plt.close(fig)
 
 
-def write_report(path: str, out_dir: Path, log=print) -> list[dict[str, Any]]:
-    """Table (printed + trials.csv) and plots of the sweep at `path`, written to `out_dir`."""
+def write_report(path: str, out: str, log=print) -> list[dict[str, Any]]:
+    """Table (printed + trials.csv) and plots of the sweep at `path`, written to `out` (a local
+    directory or a URI: the files are made in a temporary directory, then copied there)."""
+    with tempfile.TemporaryDirectory(prefix="raychat-report-") as tmp:
+        rows, written = _write_report_files(path, Path(tmp), log)
+        target = Storage(out)
+        for file in written:
+            target.write_bytes(file.name, file.read_bytes())
+    log("Wrote " + ", ".join(join_uri(target.location, f.name) for f in written))
+    return rows
+
+
+def _write_report_files(path: str, out_dir: Path, log) -> tuple[list[dict[str, Any]], list[Path]]:
     trials = load_sweep(path)
     rows = [trial_row(t) for t in trials]
-    out_dir.mkdir(parents=True, exist_ok=True)
     log(f"Sweep {path}: {len(rows)} trials")
     log(format_table(rows))
     write_csv(rows, out_dir / "trials.csv")
@@ -381,13 +369,12 @@ def write_report(path: str, out_dir: Path, log=print) -> list[dict[str, Any]]:
                                  "" if o.r2 is None else o.r2, o.num_points, o.source])
         plot_iso_flop(points, result, out_dir / "iso_flop.png")
         written += [out_dir / "compute_optimal.csv", out_dir / "iso_flop.png"]
-    log("Wrote " + ", ".join(str(p) for p in written))
-    return rows
+    return rows, written
 
 
-def default_out_dir(path: str, name: str) -> Path:
-    """Beside the trials when the sweep is on local disk, else ./<name>-report."""
-    return Path(path) / "report" if "://" not in path else Path(f"{name}-report")
+def default_out_dir(path: str) -> str:
+    """<storage>/<name>/report: beside the trials, on local disk or in the bucket."""
+    return join_uri(path, "report")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,11 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", required=True, help="the sweep's --name")
     parser.add_argument("--storage-path", default="",
                         help="the sweep's --storage-path (default: $RAYCHAT_HOME/runs)")
-    parser.add_argument("--out", default="", help="where to write the CSV and PNG files (default: "
-                        "<storage>/<name>/report for a local sweep, ./<name>-report otherwise)")
+    parser.add_argument("--out", default="", help="where to write the CSV and PNG files, a directory or "
+                        "a URI (default: <storage>/<name>/report)")
     args = parser.parse_args(argv)
     path = experiment_path(args.name, args.storage_path)
-    write_report(path, Path(args.out) if args.out else default_out_dir(path, args.name))
+    write_report(path, args.out or default_out_dir(path))
     return 0
 
 

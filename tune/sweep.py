@@ -33,11 +33,12 @@ from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.plan import plan_vocab_size
 from raychat.scaling import Plan, resolve_plan
 from raychat.stop_note import clear_stop_note, read_stop_note
-from raychat.train import RunPaths, build_trainer, check_storage_writable, connect_ray, prepare_inputs
+from raychat.storage import Storage, join_uri
+from raychat.tokenizer import Tokenizer
+from raychat.train import RunPaths, build_trainer, check_resumable, connect_ray, prepare_inputs
 from tune.report import (
     SWEEP_SPEC_FILE,
     TRAIN_RUNS_DIR,
-    SweepDir,
     default_out_dir,
     experiment_path,
     format_table,
@@ -161,7 +162,9 @@ def run_trial(config: dict) -> None:
     cfg = TrainConfig.from_dict(spec["train_config"])
     paths = RunPaths.resolve(cfg)
     clear_stop_note(paths.storage_path, cfg.name)
-    build_trainer(cfg, callbacks=[TuneReportCallback()]).fit()
+    # A restored sweep re-runs unfinished trials: each resumes its own run from its checkpoints.
+    resume_from = check_resumable(cfg, paths, Tokenizer.load(paths.tokenizer_dir))
+    build_trainer(cfg, resume_from=resume_from, callbacks=[TuneReportCallback()]).fit()
     stop = read_stop_note(paths.storage_path, cfg.name)
     if stop is not None:
         raise RaychatError(f"trial {spec['name']}: loss became NaN/inf at step {stop['step']}")
@@ -199,14 +202,14 @@ def asha_scheduler(trials: list[dict]) -> tune.schedulers.ASHAScheduler:
         grace_period=min(flops) / 3, reduction_factor=3, stop_last_trials=False)
 
 
-def check_same_grid(sweep_dir: SweepDir, trials: list[dict], name: str) -> None:
+def check_same_grid(sweep_dir: Storage, trials: list[dict], name: str) -> None:
     """Resuming runs the grid the sweep was started with: refuse a command that defines another."""
     if not sweep_dir.exists(SWEEP_SPEC_FILE):
         return
     before = [t["name"] for t in json.loads(sweep_dir.read_text(SWEEP_SPEC_FILE))["trials"]]
     now = [t["name"] for t in trials]
     if before != now:
-        raise RaychatError(f"sweep {name!r} at {sweep_dir.path} was started with trials {','.join(before)} "
+        raise RaychatError(f"sweep {name!r} at {sweep_dir} was started with trials {','.join(before)} "
                            f"but this command defines {','.join(now)}: re-run the original command to "
                            "resume it, or choose a new --name")
 
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"got {args.name!r}")
 
     path = experiment_path(args.name, base.storage_path)
-    runs_path = f"{path}/{TRAIN_RUNS_DIR}"
+    runs_path = join_uri(path, TRAIN_RUNS_DIR)
     if args.dry_run:
         vocab_size, source = plan_vocab_size(base)
         trials = build_trials(base, depths, ratios, budgets, args.workers_per_trial, runs_path, vocab_size)
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     paths = RunPaths.resolve(base)
-    check_storage_writable(RunPaths.resolve(dataclasses.replace(base, storage_path=runs_path)))
+    Storage(runs_path).check_writable()
     tokenizer = prepare_inputs(base, paths)
     # Every trial reads the corpus and tokenizer the driver just checked, wherever it runs.
     base = dataclasses.replace(base, data_dir=paths.data_dir, tokenizer_dir=paths.tokenizer_dir)
@@ -251,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     trial_cfg = TrainConfig.from_dict(trials[0]["train_config"])  # what every trial asks of the cluster
     connect_ray(trial_cfg.worker_range()[1])
     trainable = tune.with_resources(run_trial, trial_resources())
-    sweep_dir = SweepDir(path)
+    sweep_dir = Storage(path)
     if tune.Tuner.can_restore(path):
         check_same_grid(sweep_dir, trials, args.name)
         print(f"Resuming sweep {args.name}: finished trials are kept, the others continue from their "
@@ -261,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         concurrency = args.max_concurrent or default_concurrency(trial_cfg)
         print(f"Running up to {concurrency} trials at once (--max-concurrent to change; on an autoscaling "
               "cluster, raise it to let the cluster grow)", flush=True)
-        sweep_dir.write_text(SWEEP_SPEC_FILE, json.dumps({
+        sweep_dir.write_bytes(SWEEP_SPEC_FILE, json.dumps({
             "name": args.name, "mode": "flops" if budgets else "ratio",
             "raychat_version": raychat.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "trials": trials}, indent=1))
+            "trials": trials}, indent=1).encode())
         tuner = tune.Tuner(
             trainable,
             param_space={"trial": tune.grid_search(trials)},
@@ -278,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     tuner.fit()
 
     # Statuses as Tune saved them: after Ctrl-C, Tune's in-memory trials all read "terminated".
-    rows = write_report(path, default_out_dir(path, args.name))
+    rows = write_report(path, default_out_dir(path))
     unfinished = [r["trial"] for r in rows if r["status"] not in ("finished", "stopped early", "error")]
     failed = [r["trial"] for r in rows if r["status"] == "error"]
     if unfinished:
@@ -287,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if failed:
         print(f"{len(failed)} trial(s) failed ({', '.join(failed)}); their errors are in "
-              f"{path}/<trial>/error.txt. Re-run the same command to retry them from their checkpoints.")
+              f"{join_uri(path, '<trial>', 'error.txt')}. Re-run the same command to retry them from "
+              "their checkpoints.")
         return 1
     print(f"Sweep {args.name} done. Report again any time: python -m tune.report --name {args.name}"
           + (f" --storage-path {base.storage_path}" if base.storage_path else ""))
