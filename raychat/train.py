@@ -27,7 +27,8 @@ from raychat.common import (
     run_cli,
 )
 from raychat.config import TrainConfig, add_config_flags, config_from_args
-from raychat.corpus import prepare_default_corpus, validate_corpus
+from raychat.corpus_check import validate_corpus
+from raychat.default_corpus import prepare_default_corpus
 from raychat.scaling import format_plan, resolve_plan
 from raychat.stop_note import clear_stop_note, read_stop_note
 from raychat.tokenizer import Tokenizer, check_vocab, train_tokenizer

@@ -34,7 +34,7 @@ from raychat.checkpoint import (
 )
 from raychat.common import RaychatError
 from raychat.config import TrainConfig
-from raychat.corpus import CorpusIndex
+from raychat.corpus_index import CorpusIndex
 from raychat.evaluate import SAMPLE_PROMPTS, evaluate_bpb
 from raychat.flops import mfu as compute_mfu
 from raychat.flops import peak_flops

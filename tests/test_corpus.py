@@ -15,19 +15,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raychat.common import RaychatError
-from raychat.corpus import (
+from raychat.corpus import main
+from raychat.corpus_check import validate_corpus
+from raychat.corpus_index import (
     ROW_GROUP_SIZE,
     CorpusIndex,
-    CorpusWriter,
     Unit,
     iter_split_texts,
     list_shards,
-    main,
-    prepare_default_corpus,
+    read_corpus_meta,
     read_unit_texts,
-    validate_corpus,
 )
-from raychat.corpus_sources import ingest, synthetic_texts, write_sample_corpus, write_synthetic_corpus
+from raychat.corpus_ingest import ingest
+from raychat.corpus_sample import write_sample_corpus
+from raychat.corpus_writer import CorpusWriter
+from raychat.default_corpus import prepare_default_corpus
+from raychat.fixture_corpus import synthetic_texts, write_synthetic_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +93,8 @@ def test_index_is_stable_across_loads_and_processes(synthetic_dir):
     first, second = CorpusIndex.load(synthetic_dir), CorpusIndex.load(str(synthetic_dir) + "/")
     assert first.train == second.train and first.val == second.val
     # Another interpreter (other hash seed) must see the same units and the same shuffled order.
-    code = ("import json,sys; from raychat.corpus import CorpusIndex; i = CorpusIndex.load(sys.argv[1]); "
+    code = ("import json,sys; from raychat.corpus_index import CorpusIndex; "
+            "i = CorpusIndex.load(sys.argv[1]); "
             "print(json.dumps([[u.index, u.shard, u.row_group, u.num_rows] for u in i.train] + "
             "[i.epoch_order(e, 7) for e in range(3)]))")
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
@@ -191,7 +195,9 @@ def test_writer_refuses_existing_shards_and_cleans_up(tmp_path):
     with pytest.raises(ZeroDivisionError), CorpusWriter(out, docs_per_shard=1, overwrite=True) as writer:
         writer.add_train(["x"] * 50)
         raise ZeroDivisionError
-    assert file_digests(out) == before and sorted(p.name for p in out.iterdir()) == sorted(before)
+    assert file_digests(out) == before
+    assert sorted(p.name for p in out.iterdir()) == sorted([*before, "corpus.json"])
+    assert read_corpus_meta(out) == {"source": "custom"}
     with CorpusWriter(out, overwrite=True) as writer:
         writer.add_train(["new"])
         writer.add_val(["val"])
@@ -199,6 +205,7 @@ def test_writer_refuses_existing_shards_and_cleans_up(tmp_path):
     with pytest.raises(RaychatError, match="0 val documents"), CorpusWriter(tmp_path / "noval") as writer:
         writer.add_train(["t"])
     assert list_shards(tmp_path / "noval") == [] and not list((tmp_path / "noval").iterdir())
+    assert read_corpus_meta(tmp_path / "noval") == {}
 
 
 # ----------------------------------------------------------------------------- ingest
@@ -252,6 +259,7 @@ def test_sample_corpus_is_real_text_and_deterministic(tmp_path):
     write_sample_corpus(tmp_path / "a", max_mb=1.0, log=lambda _: None)
     write_sample_corpus(tmp_path / "b", max_mb=1.0, log=lambda _: None)
     assert file_digests(tmp_path / "a") == file_digests(tmp_path / "b")
+    assert read_corpus_meta(tmp_path / "a") == {"source": "sample"}
     index = CorpusIndex.load(tmp_path / "a")
     texts = all_texts(index, "train") + all_texts(index, "val")
     size = sum(len(t.encode()) for t in texts)
@@ -285,6 +293,7 @@ def test_cli_synthetic_then_check(tmp_path):
     assert "shards:     4 (3 train + 1 val)" in checked.stdout
     assert "documents:  1,500 (train 1,200, val 300)" in checked.stdout
     assert "row groups: 4 (train 3, val 1)" in checked.stdout
+    assert "source:     synthetic" in checked.stdout  # corpus.json says what made it
 
 
 def write_shard(path: Path, table: pa.Table) -> None:
