@@ -49,17 +49,17 @@ def _hub_error(e: Exception, endpoint: str) -> RaychatError:
                         "partial ones resumed), or set RAYCHAT_OFFLINE=1 for the offline sample corpus")
 
 
-def _hub_call(endpoint: str, call: Callable, *args, **kwargs):
-    """Run a huggingface_hub call; any network or Hub failure becomes one RaychatError line."""
+def _hub_call(where: str, call: Callable, /, *args, **kwargs):
+    """Run a huggingface_hub call on endpoint `where`; a network or Hub failure becomes one RaychatError."""
     try:
         return call(*args, **kwargs)
     except (OSError, OfflineModeIsEnabled, HfHubHTTPError) as e:
-        raise _hub_error(e, endpoint) from e
+        raise _hub_error(e, where) from e
     except Exception as e:
         # huggingface_hub lets its HTTP client's connection errors through unwrapped; they share no
         # base class with the above, so they are recognised by the module that raised them.
         if type(e).__module__.split(".")[0].startswith("httpx"):
-            raise _hub_error(e, endpoint) from e
+            raise _hub_error(e, where) from e
         raise
 
 
