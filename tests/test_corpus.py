@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from raychat.common import RaychatError
 from raychat.corpus import main
+from raychat.corpus_budget import budget_lines, corpus_budget, train_text_bytes
 from raychat.corpus_check import validate_corpus
 from raychat.corpus_index import (
     ROW_GROUP_SIZE,
@@ -31,6 +32,7 @@ from raychat.corpus_sample import write_sample_corpus
 from raychat.corpus_writer import CorpusWriter
 from raychat.default_corpus import prepare_default_corpus
 from raychat.fixture_corpus import synthetic_texts, write_synthetic_corpus
+from raychat.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -379,3 +381,28 @@ def test_cli_help_explains_every_command(capsys):
             main([command, "--help"])
         assert exit_info.value.code == 0
         assert "usage: python -m raychat.corpus " + command in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- budget
+
+def test_corpus_budget_against_tokens_counted_by_hand(tiny_corpus, tmp_path):
+    data_dir, tokenizer_dir = tiny_corpus
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    index = CorpusIndex.load(data_dir)
+    train = all_texts(index, "train")
+    # Independent figures: every train document's UTF-8 bytes, and its tokens, counted directly.
+    text_bytes = sum(len(t.encode()) for t in train)
+    assert text_bytes <= train_text_bytes(index) < 1.01 * text_bytes  # plus page headers
+    tokens = sum(len(tokenizer.encode(t)) for t in train)
+    budget = corpus_budget(3 * tokens, data_dir, tokenizer)
+    assert abs(budget.tokens_available - tokens) < 0.1 * tokens  # bytes/token measured on val only
+    assert budget.epochs == pytest.approx(3 * tokens / budget.tokens_available, rel=1e-3)
+    lines = budget_lines(budget)
+    assert "past one epoch" in lines[1] and lines[1].endswith(
+        f"python -m raychat.corpus download --shards {budget.climbmix_shards}")
+    # 250M characters per ClimbMix shard: one shard holds this tiny run.
+    assert budget.climbmix_shards == 1
+    assert budget_lines(corpus_budget(tokens // 2, data_dir, tokenizer))[1:] == []
+    write_sample_corpus(tmp_path / "sample", max_mb=0.5, log=lambda _: None)
+    sample_lines = budget_lines(corpus_budget(10, tmp_path / "sample", tokenizer))
+    assert "SAMPLE corpus" in sample_lines[1]
