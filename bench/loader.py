@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 
 from raychat.common import RaychatError, default_data_dir, run_cli
-from raychat.corpus import CorpusIndex, list_shards, read_unit_texts
+from raychat.corpus_index import CorpusIndex, list_shards, read_unit_texts
 from raychat.packer import BestFitPacker
 from raychat.tokenizer import Tokenizer, available_cores, train_tokenizer
 
@@ -141,7 +141,8 @@ def corpus_and_tokenizer(args, workdir: Path) -> tuple[CorpusIndex, str, str]:
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     what = f"corpus {data_dir}"
     if not data_dir.is_dir() or not list_shards(data_dir):
-        from raychat.corpus_sources import write_sample_corpus, write_synthetic_corpus
+        from raychat.corpus_sample import write_sample_corpus
+        from raychat.fixture_corpus import write_synthetic_corpus
 
         data_dir = workdir / "data"
         try:

@@ -41,7 +41,7 @@ import numpy as np
 
 from raychat.common import RaychatError, raychat_home, run_cli
 from raychat.config import TrainConfig
-from raychat.corpus import CorpusIndex, list_shards
+from raychat.corpus_index import CorpusIndex, list_shards
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -65,7 +65,7 @@ def bench_config(args: argparse.Namespace) -> TrainConfig:
 
 def prepare_inputs(cache_dir: Path, vocab_size: int) -> tuple[Path, Path]:
     """(corpus dir, tokenizer dir) in cache_dir: the sample corpus and a tokenizer trained on it."""
-    from raychat.corpus_sources import write_sample_corpus
+    from raychat.corpus_sample import write_sample_corpus
     from raychat.tokenizer import train_tokenizer
 
     data_dir, tokenizer_dir = cache_dir / "data", cache_dir / f"tokenizer_{vocab_size}"

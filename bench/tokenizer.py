@@ -21,7 +21,7 @@ from pathlib import Path
 import rustbpe
 import tiktoken
 
-from raychat.corpus import iter_split_texts
+from raychat.corpus_index import iter_split_texts
 from raychat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, available_cores, train_tokenizer
 
 ENCODE_TARGET_MB_PER_CORE = 10.0

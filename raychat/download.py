@@ -1,183 +1,172 @@
-"""Fetch ClimbMix shards (karpathy/climbmix-400b-shuffle on Hugging Face), the corpus nanochat trains on.
+"""Fetch ClimbMix shards (karpathy/climbmix-400b-shuffle, the corpus nanochat trains on) from the Hub.
 
-A shard is ~100 MB, so files are streamed to disk in 1 MB chunks (never held in memory), several at a
-time to fill the link. Each goes to `<name>.tmp` and is renamed only after it opens as parquet with a
-`text` column, so a file with the final name is always complete: re-running skips those and resumes
-partial `.tmp` files with an HTTP Range request. Failed attempts are retried with exponential backoff.
+`huggingface_hub.snapshot_download` does the transfer: parallel streams, resume of partial files
+(kept under `data_dir/.cache/huggingface/`), retries of dropped connections, a progress bar, the
+size check, `HF_TOKEN`/`hf auth login`, `HF_ENDPOINT` (a mirror), `HF_HUB_OFFLINE` and
+`HF_HUB_DISABLE_PROGRESS_BARS`. The shards land in `data_dir` itself (its `local_dir` mode), not in
+the shared `HF_HOME` cache, so a corpus is one self-contained directory the trainer can be pointed at.
+
+What raychat adds: the revision is resolved to one commit before anything is fetched, every file
+comes from that commit, and the commit is recorded in `corpus.json`, so the data cannot change
+under a run, and adding shards later fetches them from the same commit. After the transfer each
+file is checked against what the Hub publishes for it (size, and the sha256 of LFS files or the git
+blob id of small ones) and must open as a shard, else it is deleted and fetched again once.
 """
 
-import http.client
+import hashlib
 import os
-import sys
-import threading
-import time
-import urllib.error
-import urllib.request
+import re
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from raychat.common import RaychatError
-from raychat.corpus import open_shard, shard_filename
+import huggingface_hub
+from huggingface_hub import RepoFile
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main"
+from raychat.common import RaychatError
+from raychat.corpus_index import open_shard, read_corpus_meta, shard_filename, write_corpus_meta
+
+REPO_ID = "karpathy/climbmix-400b-shuffle"
+REPO_TYPE = "dataset"
+# A branch until a commit of the dataset is verified here (this machine cannot reach the Hub): the
+# first download pins it to the commit it resolves to, and corpus.json keeps that commit.
+DEFAULT_REVISION = "main"
 MAX_SHARD = 6542          # shard_06542.parquet is the last file, the validation split
 DEFAULT_SHARDS = 8        # what the trainer's embedded default fetches (~800 MB)
-CHUNK_BYTES = 1 << 20
-USER_AGENT = "raychat-corpus-download"
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
-def shard_url(base_url: str, shard: int) -> str:
-    return f"{base_url.rstrip('/')}/{shard_filename(shard)}"
+def hub_endpoint() -> str:
+    """$HF_ENDPOINT (a mirror, or a test server) read now, else the library's default."""
+    return (os.environ.get("HF_ENDPOINT") or huggingface_hub.constants.ENDPOINT).rstrip("/")
 
 
-def reachable(base_url: str = DEFAULT_BASE_URL, timeout_s: float = 5.0) -> bool:
-    """Whether the validation shard answers a HEAD request within timeout_s."""
-    request = urllib.request.Request(shard_url(base_url, MAX_SHARD), method="HEAD",
-                                     headers={"User-Agent": USER_AGENT})
+def _hub_error(e: Exception, endpoint: str) -> RaychatError:
+    detail = " ".join(str(e).split())[:300] or type(e).__name__
+    return RaychatError(f"could not fetch {REPO_ID} from {endpoint} ({detail}): check the network, "
+                        "HF_ENDPOINT and HF_TOKEN, then re-run the same command (complete files are kept, "
+                        "partial ones resumed), or set RAYCHAT_OFFLINE=1 for the offline sample corpus")
+
+
+def _hub_call(where: str, call: Callable, /, *args, **kwargs):
+    """Run a huggingface_hub call on endpoint `where`; a network or Hub failure becomes one RaychatError."""
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.status < 400
-    except (OSError, http.client.HTTPException, ValueError):
-        return False
-
-
-class _Progress:
-    """Bytes and files done, rate and ETA, shared by the download threads; one line at most every interval."""
-
-    def __init__(self, num_files: int, log: Callable[[str], None], interval_s: float):
-        self.num_files, self.log, self.interval_s = num_files, log, interval_s
-        self.lock = threading.Lock()
-        self.files_done = 0
-        self.bytes_done = 0
-        self.sizes: dict[str, int] = {}  # expected size of files whose size is known
-        self.start = self.last_print = time.monotonic()
-        self.tty = sys.stdout.isatty() and log is print
-
-    def expect(self, name: str, size: int) -> None:
-        with self.lock:
-            self.sizes[name] = size
-
-    def add(self, num_bytes: int) -> None:
-        with self.lock:
-            self.bytes_done += num_bytes
-            if time.monotonic() - self.last_print >= self.interval_s:
-                self._print()
-
-    def file_done(self) -> None:
-        with self.lock:
-            self.files_done += 1
-            self._print()
-
-    def _print(self) -> None:
-        self.last_print = now = time.monotonic()
-        rate = self.bytes_done / max(now - self.start, 1e-9)
-        known = sum(self.sizes.values())
-        # Files not started yet are assumed to be as large as the average known one.
-        average = known / len(self.sizes) if self.sizes else 0
-        total = known + average * (self.num_files - len(self.sizes))
-        eta = f"{max(total - self.bytes_done, 0) / rate:,.0f}s" if rate > 0 and total else "?"
-        line = (f"download: {self.files_done}/{self.num_files} files, {self.bytes_done / 1e6:,.1f}/"
-                f"{total / 1e6:,.1f} MB, {rate / 1e6:,.1f} MB/s, ETA {eta}")
-        if self.tty:
-            print("\r" + line, end="\n" if self.files_done == self.num_files else "", flush=True)
-        else:
-            self.log(line)
-
-
-class _Incomplete(Exception):
-    """The transfer ended early; the .tmp file is kept and the next attempt resumes it."""
-
-
-def _stream(url: str, tmp: Path, timeout_s: float, progress: _Progress) -> None:
-    """Append the rest of `url` to `tmp` (all of it if tmp is absent or the server ignores Range)."""
-    have = tmp.stat().st_size if tmp.exists() else 0
-    headers = {"User-Agent": USER_AGENT}
-    if have:
-        headers["Range"] = f"bytes={have}-"
-    try:
-        response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s)
-    except urllib.error.HTTPError as e:
-        if e.code == 416 and have:  # nothing left to send: the .tmp holds the whole file already
-            return
+        return call(*args, **kwargs)
+    except (OSError, OfflineModeIsEnabled, HfHubHTTPError) as e:
+        raise _hub_error(e, where) from e
+    except Exception as e:
+        # huggingface_hub lets its HTTP client's connection errors through unwrapped; they share no
+        # base class with the above, so they are recognised by the module that raised them.
+        if type(e).__module__.split(".")[0].startswith("httpx"):
+            raise _hub_error(e, where) from e
         raise
-    with response:
-        resumed = response.status == 206
-        if not resumed:
-            have = 0
-        length = response.headers.get("Content-Length")
-        expected = int(length) if length is not None else None
-        if expected is not None:
-            progress.expect(tmp.name, have + expected)
-        received = 0
-        with open(tmp, "ab" if resumed else "wb") as f:
-            while chunk := response.read(CHUNK_BYTES):
-                f.write(chunk)
-                received += len(chunk)
-                progress.add(len(chunk))
-    if expected is not None and received != expected:
-        raise _Incomplete(f"got {received} of {expected} bytes")
 
 
-def _fetch(url: str, final: Path, retries: int, backoff_s: float, timeout_s: float, progress: _Progress,
-           log: Callable[[str], None]) -> None:
-    tmp = final.with_name(final.name + ".tmp")
-    problem = ""
-    for attempt in range(1, retries + 1):
-        try:
-            _stream(url, tmp, timeout_s, progress)
-            open_shard(tmp)  # complete parquet with a `text` column, or RaychatError
-            os.replace(tmp, final)
-            progress.file_done()
-            return
-        except (OSError, http.client.HTTPException, _Incomplete) as e:
-            problem = " ".join(str(e).split()) or type(e).__name__
-        except RaychatError:
-            # The whole body arrived but is not a usable shard: never keep it, start over next time.
-            problem = "received file is not a complete parquet shard with a `text` column"
-            tmp.unlink(missing_ok=True)
-        if attempt < retries:
-            delay = backoff_s * 2 ** (attempt - 1)
-            log(f"download: {final.name} attempt {attempt}/{retries} failed ({problem}); "
-                f"retrying in {delay:g}s")
-            time.sleep(delay)
-    raise RaychatError(f"could not download {url} after {retries} attempts ({problem}): check the network "
-                       "and --base-url, then re-run the same command (complete files are kept, partial "
-                       "ones resumed)")
+def resolve_revision(revision: str, endpoint: str | None = None) -> str:
+    """The commit a branch, tag or commit of the dataset names now."""
+    if COMMIT.match(revision):
+        return revision
+    endpoint = endpoint or hub_endpoint()
+    api = huggingface_hub.HfApi(endpoint=endpoint)
+    return _hub_call(endpoint, api.dataset_info, REPO_ID, revision=revision).sha
 
 
-def download_shards(data_dir: str | Path, num_shards: int, base_url: str = DEFAULT_BASE_URL, workers: int = 8,
-                    retries: int = 5, backoff_s: float = 1.0, timeout_s: float = 30.0,
-                    log: Callable[[str], None] = print, progress_interval_s: float = 5.0) -> list[Path]:
-    """Fetch train shards 0..num_shards-1 and the validation shard into data_dir; returns their paths.
-    Files already there and valid are kept; damaged ones are fetched again."""
+def reachable(endpoint: str | None = None, timeout_s: float = 5.0) -> bool:
+    """Whether the Hub answers for the dataset within timeout_s."""
+    endpoint = endpoint or hub_endpoint()
+    url = huggingface_hub.hf_hub_url(REPO_ID, shard_filename(MAX_SHARD), repo_type=REPO_TYPE,
+                                     revision=DEFAULT_REVISION, endpoint=endpoint)
+    try:
+        _hub_call(endpoint, huggingface_hub.get_hf_file_metadata, url, timeout=timeout_s)
+    except RaychatError:
+        return False
+    return True
+
+
+def _digest(path: Path, algorithm: str, prefix: bytes = b"") -> str:
+    digest = hashlib.new(algorithm, prefix)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _problem(path: Path, published: RepoFile) -> str | None:
+    """What is wrong with a downloaded file, compared with what the Hub publishes for it (None: nothing)."""
+    if not path.is_file():
+        return "missing after the download"
+    size = path.stat().st_size
+    if size != published.size:
+        return f"{size:,} bytes, the Hub publishes {published.size:,}"
+    if published.lfs is not None:
+        expected, actual, kind = published.lfs.sha256, _digest(path, "sha256"), "sha256"
+    else:  # a small file kept in git: its id is the sha1 of a header and the content
+        expected, actual, kind = published.blob_id, _digest(path, "sha1", b"blob %d\0" % size), "git blob id"
+    if actual != expected:
+        return f"{kind} {actual}, the Hub publishes {expected}"
+    try:
+        open_shard(path)
+    except RaychatError:
+        return "not a parquet shard with a `text` column"
+    return None
+
+
+def _pinned_revision(data_dir: Path, revision: str | None, endpoint: str) -> str:
+    """The commit to fetch: --revision resolved, else the one this corpus was started from, else the
+    default resolved. A corpus never mixes commits."""
+    recorded = read_corpus_meta(data_dir)
+    if recorded and recorded.get("source") != "hub":
+        raise RaychatError(f"{data_dir} holds a {recorded.get('source')} corpus, not a Hub download: choose "
+                           "another --data-dir")
+    recorded_commit = recorded.get("revision")
+    if revision is None and recorded_commit:
+        return recorded_commit
+    commit = resolve_revision(revision or DEFAULT_REVISION, endpoint)
+    if recorded_commit and commit != recorded_commit:
+        raise RaychatError(f"{data_dir} holds shards of {REPO_ID} at commit {recorded_commit}, --revision "
+                           f"{revision} is commit {commit}: choose another --data-dir, or drop --revision")
+    return commit
+
+
+def download_shards(data_dir: str | Path, num_shards: int, revision: str | None = None, workers: int = 8,
+                    endpoint: str | None = None, log: Callable[[str], None] = print) -> list[Path]:
+    """Fetch train shards 0..num_shards-1 and the validation shard into data_dir, all from one commit
+    (see _pinned_revision); returns their paths. Complete files are kept, partial ones resumed."""
     if not 1 <= num_shards <= MAX_SHARD:
         raise RaychatError(f"--shards must be between 1 and {MAX_SHARD} (the train shards of ClimbMix), "
                            f"got {num_shards}")
-    if workers < 1 or retries < 1:
-        raise RaychatError(f"--workers and --retries must be at least 1, got {workers} and {retries}")
+    if workers < 1:
+        raise RaychatError(f"--workers must be at least 1, got {workers}")
+    endpoint = endpoint or hub_endpoint()
     data_dir = Path(data_dir).expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    shards = list(range(num_shards)) + [MAX_SHARD]
-    finals = [data_dir / shard_filename(shard) for shard in shards]
-    todo = []
-    for shard, final in zip(shards, finals, strict=True):
-        if final.exists():
-            try:
-                open_shard(final)
-                continue
-            except RaychatError:
-                log(f"download: {final.name} is damaged, fetching it again")
-                final.unlink()
-        todo.append((shard, final))
-    log(f"download: {len(finals) - len(todo)} of {len(finals)} files already present in {data_dir}, "
-        f"fetching {len(todo)} with {min(workers, max(len(todo), 1))} parallel streams")
-    progress = _Progress(len(todo), log, progress_interval_s)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(_fetch, shard_url(base_url, shard), final, retries, backoff_s, timeout_s,
-                               progress, log) for shard, final in todo]
-        for future in as_completed(futures):
-            if future.exception() is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise future.exception()
-    return finals
+    commit = _pinned_revision(data_dir, revision, endpoint)
+    names = [shard_filename(shard) for shard in range(num_shards)] + [shard_filename(MAX_SHARD)]
+    api = huggingface_hub.HfApi(endpoint=endpoint)
+    published = {f.path: f for f in _hub_call(endpoint, api.get_paths_info, REPO_ID, names, revision=commit,
+                                                repo_type=REPO_TYPE)}
+    if missing := [name for name in names if name not in published]:
+        raise RaychatError(f"{REPO_ID} at commit {commit} has no {', '.join(missing)}: "
+                           "ask for fewer --shards")
+    write_corpus_meta(data_dir, {"source": "hub", "repo": REPO_ID, "revision": commit})
+    log(f"download: {len(names)} files of {REPO_ID} at commit {commit} into {data_dir} "
+        f"({sum(published[n].size for n in names) / 1e6:,.0f} MB, {workers} parallel streams)")
+    todo = names
+    for attempt in (1, 2):
+        _hub_call(endpoint, huggingface_hub.snapshot_download, REPO_ID, repo_type=REPO_TYPE, revision=commit,
+                  allow_patterns=todo, local_dir=data_dir, max_workers=workers, endpoint=endpoint)
+        with ThreadPoolExecutor(max_workers=workers) as pool:  # hashing releases the GIL
+            problems = dict(zip(todo, pool.map(lambda n: _problem(data_dir / n, published[n]), todo),
+                                strict=True))
+        todo = [name for name, problem in problems.items() if problem]
+        for name in todo:
+            (data_dir / name).unlink(missing_ok=True)  # so the next snapshot fetches it again
+            log(f"download: {name} rejected ({problems[name]})")
+        if not todo:
+            return [data_dir / name for name in names]
+        if attempt == 1:
+            log(f"download: fetching {len(todo)} rejected files again")
+    raise RaychatError(f"{data_dir / todo[0]} from {endpoint} was rejected twice ({problems[todo[0]]}): the "
+                       "download is corrupted on the way or the mirror serves other data; check HF_ENDPOINT "
+                       "and re-run the same command")

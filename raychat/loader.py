@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from raychat.common import RaychatError
-from raychat.corpus import CorpusIndex, Unit, read_unit_texts
+from raychat.corpus_index import CorpusIndex, Unit, read_unit_texts
 from raychat.cursor import (
     DocFeed,
     DocId,

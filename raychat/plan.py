@@ -10,8 +10,10 @@ import argparse
 import json
 from pathlib import Path
 
-from raychat.common import default_tokenizer_dir, run_cli
+from raychat.common import default_data_dir, default_tokenizer_dir, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
+from raychat.corpus_budget import budget_lines, corpus_budget
+from raychat.corpus_index import list_shards
 from raychat.scaling import format_plan, resolve_plan
 from raychat.tokenizer import META_FILE, Tokenizer
 
@@ -23,7 +25,8 @@ examples:
   python -m raychat.plan --depth 20 --num-workers 8 # the batch layout over 8 workers
 
 The vocabulary size comes from the tokenizer in --tokenizer-dir when one is there, else from
---vocab-size (the size `raychat.train` would train a tokenizer with).
+--vocab-size (the size `raychat.train` would train a tokenizer with). With a corpus in --data-dir and
+a tokenizer, the plan also compares the tokens the run needs with the tokens the corpus holds.
 """
 
 
@@ -52,11 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     # it, and every size down to 1 fits whenever the largest one does.
     world_size = cfg.worker_range()[1]
     plan = resolve_plan(cfg, vocab_size, world_size)
+    data_dir = Path(cfg.data_dir).expanduser() if cfg.data_dir else default_data_dir()
+    tokenizer_dir = Path(cfg.tokenizer_dir).expanduser() if cfg.tokenizer_dir else default_tokenizer_dir()
+    budget = None
+    if data_dir.is_dir() and list_shards(data_dir) and (tokenizer_dir / META_FILE).is_file():
+        budget = corpus_budget(plan.total_tokens, data_dir, Tokenizer.load(tokenizer_dir))
     if args.json:
-        print(json.dumps({**plan.to_json(), "vocab_source": vocab_source}))
+        print(json.dumps({**plan.to_json(), "vocab_source": vocab_source,
+                          "corpus": budget.to_json() if budget else None}))
     else:
         print(f"raychat plan for {cfg.tag} (vocab size from {vocab_source})")
         print(format_plan(plan))
+        for line in budget_lines(budget) if budget else [f"corpus: none sized yet (needs a corpus in "
+                                                        f"{data_dir} and a tokenizer in {tokenizer_dir})"]:
+            print(line)
     return 0
 
 

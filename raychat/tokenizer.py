@@ -33,7 +33,7 @@ import numpy as np
 import tiktoken
 
 from raychat.common import RaychatError, default_data_dir, default_tokenizer_dir, run_cli
-from raychat.corpus import CorpusIndex, iter_split_texts
+from raychat.corpus_index import CorpusIndex, iter_split_texts
 
 if TYPE_CHECKING:
     import torch

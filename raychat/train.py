@@ -27,7 +27,9 @@ from raychat.common import (
     run_cli,
 )
 from raychat.config import TrainConfig, add_config_flags, config_from_args
-from raychat.corpus import prepare_default_corpus, validate_corpus
+from raychat.corpus_budget import corpus_budget_lines
+from raychat.corpus_check import validate_corpus
+from raychat.default_corpus import prepare_default_corpus
 from raychat.resume import driver_choice
 from raychat.scaling import format_plan, resolve_plan
 from raychat.stop_note import clear_stop_note, read_stop_note
@@ -186,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if min_workers != max_workers:
         resolve_plan(cfg, tokenizer.vocab_size, world_size=min_workers)  # every size in range must work
     print(format_plan(plan), flush=True)
+    for line in corpus_budget_lines(plan, paths.data_dir, tokenizer):
+        print(line, flush=True)
     resume_from = check_resumable(cfg, paths, tokenizer)
 
     connect_ray(max_workers)

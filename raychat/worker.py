@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import raychat
 from raychat.config import TrainConfig
-from raychat.corpus import CorpusIndex
+from raychat.corpus_index import CorpusIndex, read_corpus_meta
 from raychat.evaluate import SAMPLE_PROMPTS, evaluate_bpb
 from raychat.flops import mfu as compute_mfu
 from raychat.flops import peak_flops
@@ -84,6 +84,7 @@ class Worker:
     saver: CheckpointSaver
     storage_path: str
     session: str
+    corpus_meta: dict  # what made the corpus (source; Hub repo and revision), kept with each checkpoint
     step: int = 0
     loop: LoopState = field(default_factory=LoopState)
     micro_slices: list[slice] = field(default_factory=list)
@@ -191,6 +192,7 @@ def setup(config: dict) -> Worker:
         cfg=cfg, plan=plan, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
         index=index, tokenizer_dir=config["tokenizer_dir"], loader=loader, orig_model=orig_model,
         model=model, optimizer=optimizer, storage_path=config["storage_path"], session=config["session"],
+        corpus_meta=read_corpus_meta(config["data_dir"]),
         saver=CheckpointSaver(run, cfg.keep_checkpoints, enabled=master, log=log),
         step=step, loop=loop, micro_slices=micro_slices, peak_flops=peak, trace_dir=trace_dir,
         ray_metrics=RayMetrics(run_name=cfg.name) if master else None,
@@ -242,7 +244,7 @@ def save(w: Worker, wait: bool) -> None:
             "model_config": asdict(w.plan.model), "plan": w.plan.to_json(), "user_config": w.cfg.to_dict(),
             "world_size": w.world_size, "vocab_size": w.tokenizer.vocab_size,
             "tokenizer_fingerprint": w.tokenizer.fingerprint, "cursor": merge_cursor(rank_states),
-            "loop_state": asdict(w.loop), "val_bpb": w.loop.val_bpb,
+            "loop_state": asdict(w.loop), "val_bpb": w.loop.val_bpb, "corpus": w.corpus_meta,
         }
         w.saver.save(w.step, w.orig_model.state_dict(), optim_state, meta, wait=wait)
 

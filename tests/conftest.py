@@ -179,7 +179,7 @@ def _stdlib_docs(min_chars: int = 120) -> list[str]:
 def tiny_corpus(tmp_path_factory):
     """A small real-text corpus (shards of 40 docs = one row group each, last shard val) and a
     512-token tokenizer trained on it: what the trainer integration tests and sweeps run on."""
-    from raychat.corpus import CorpusWriter
+    from raychat.corpus_writer import CorpusWriter
     from raychat.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("tiny")

@@ -5,7 +5,7 @@ Grafana dashboard parses and charts every raychat_ gauge."""
 import copy
 import json
 import re
-import tomllib
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -14,6 +14,11 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from raychat.metrics import GAUGES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_YAMLS = sorted((ROOT / "cluster").glob("*.yaml"))

@@ -15,19 +15,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raychat.common import RaychatError
-from raychat.corpus import (
+from raychat.corpus import main
+from raychat.corpus_budget import budget_lines, corpus_budget, train_text_bytes
+from raychat.corpus_check import validate_corpus
+from raychat.corpus_index import (
     ROW_GROUP_SIZE,
     CorpusIndex,
-    CorpusWriter,
     Unit,
     iter_split_texts,
     list_shards,
-    main,
-    prepare_default_corpus,
+    read_corpus_meta,
     read_unit_texts,
-    validate_corpus,
 )
-from raychat.corpus_sources import ingest, synthetic_texts, write_sample_corpus, write_synthetic_corpus
+from raychat.corpus_ingest import ingest
+from raychat.corpus_sample import write_sample_corpus
+from raychat.corpus_writer import CorpusWriter
+from raychat.default_corpus import prepare_default_corpus
+from raychat.fixture_corpus import synthetic_texts, write_synthetic_corpus
+from raychat.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +95,8 @@ def test_index_is_stable_across_loads_and_processes(synthetic_dir):
     first, second = CorpusIndex.load(synthetic_dir), CorpusIndex.load(str(synthetic_dir) + "/")
     assert first.train == second.train and first.val == second.val
     # Another interpreter (other hash seed) must see the same units and the same shuffled order.
-    code = ("import json,sys; from raychat.corpus import CorpusIndex; i = CorpusIndex.load(sys.argv[1]); "
+    code = ("import json,sys; from raychat.corpus_index import CorpusIndex; "
+            "i = CorpusIndex.load(sys.argv[1]); "
             "print(json.dumps([[u.index, u.shard, u.row_group, u.num_rows] for u in i.train] + "
             "[i.epoch_order(e, 7) for e in range(3)]))")
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
@@ -191,7 +197,9 @@ def test_writer_refuses_existing_shards_and_cleans_up(tmp_path):
     with pytest.raises(ZeroDivisionError), CorpusWriter(out, docs_per_shard=1, overwrite=True) as writer:
         writer.add_train(["x"] * 50)
         raise ZeroDivisionError
-    assert file_digests(out) == before and sorted(p.name for p in out.iterdir()) == sorted(before)
+    assert file_digests(out) == before
+    assert sorted(p.name for p in out.iterdir()) == sorted([*before, "corpus.json"])
+    assert read_corpus_meta(out) == {"source": "custom"}
     with CorpusWriter(out, overwrite=True) as writer:
         writer.add_train(["new"])
         writer.add_val(["val"])
@@ -199,6 +207,7 @@ def test_writer_refuses_existing_shards_and_cleans_up(tmp_path):
     with pytest.raises(RaychatError, match="0 val documents"), CorpusWriter(tmp_path / "noval") as writer:
         writer.add_train(["t"])
     assert list_shards(tmp_path / "noval") == [] and not list((tmp_path / "noval").iterdir())
+    assert read_corpus_meta(tmp_path / "noval") == {}
 
 
 # ----------------------------------------------------------------------------- ingest
@@ -252,6 +261,7 @@ def test_sample_corpus_is_real_text_and_deterministic(tmp_path):
     write_sample_corpus(tmp_path / "a", max_mb=1.0, log=lambda _: None)
     write_sample_corpus(tmp_path / "b", max_mb=1.0, log=lambda _: None)
     assert file_digests(tmp_path / "a") == file_digests(tmp_path / "b")
+    assert read_corpus_meta(tmp_path / "a") == {"source": "sample"}
     index = CorpusIndex.load(tmp_path / "a")
     texts = all_texts(index, "train") + all_texts(index, "val")
     size = sum(len(t.encode()) for t in texts)
@@ -285,6 +295,7 @@ def test_cli_synthetic_then_check(tmp_path):
     assert "shards:     4 (3 train + 1 val)" in checked.stdout
     assert "documents:  1,500 (train 1,200, val 300)" in checked.stdout
     assert "row groups: 4 (train 3, val 1)" in checked.stdout
+    assert "source:     synthetic" in checked.stdout  # corpus.json says what made it
 
 
 def write_shard(path: Path, table: pa.Table) -> None:
@@ -370,3 +381,28 @@ def test_cli_help_explains_every_command(capsys):
             main([command, "--help"])
         assert exit_info.value.code == 0
         assert "usage: python -m raychat.corpus " + command in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- budget
+
+def test_corpus_budget_against_tokens_counted_by_hand(tiny_corpus, tmp_path):
+    data_dir, tokenizer_dir = tiny_corpus
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    index = CorpusIndex.load(data_dir)
+    train = all_texts(index, "train")
+    # Independent figures: every train document's UTF-8 bytes, and its tokens, counted directly.
+    text_bytes = sum(len(t.encode()) for t in train)
+    assert text_bytes <= train_text_bytes(index) < 1.01 * text_bytes  # plus page headers
+    tokens = sum(len(tokenizer.encode(t)) for t in train)
+    budget = corpus_budget(3 * tokens, data_dir, tokenizer)
+    assert abs(budget.tokens_available - tokens) < 0.1 * tokens  # bytes/token measured on val only
+    assert budget.epochs == pytest.approx(3 * tokens / budget.tokens_available, rel=1e-3)
+    lines = budget_lines(budget)
+    assert "past one epoch" in lines[1] and lines[1].endswith(
+        f"python -m raychat.corpus download --shards {budget.climbmix_shards}")
+    # 250M characters per ClimbMix shard: one shard holds this tiny run.
+    assert budget.climbmix_shards == 1
+    assert budget_lines(corpus_budget(tokens // 2, data_dir, tokenizer))[1:] == []
+    write_sample_corpus(tmp_path / "sample", max_mb=0.5, log=lambda _: None)
+    sample_lines = budget_lines(corpus_budget(10, tmp_path / "sample", tokenizer))
+    assert "SAMPLE corpus" in sample_lines[1]

@@ -1,70 +1,121 @@
-"""`download` against a real HTTP server on 127.0.0.1 serving generated shards: flaky, truncating and
-connection-dropping servers, resuming, and the CLI."""
+"""`download` through huggingface_hub against a local server on 127.0.0.1 that speaks the Hub's protocol
+(the dataset API, paths-info, `resolve` with HEAD/GET/Range), selected with HF_ENDPOINT: pinning to a
+commit, resuming, rejecting corrupted and truncated files, the unreachable-endpoint error, the CLI."""
 
+import hashlib
+import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlparse
 
 import pytest
 
 from raychat.common import RaychatError
-from raychat.corpus import CorpusIndex, list_shards, read_unit_texts, shard_filename
-from raychat.corpus_sources import synthetic_texts, write_synthetic_corpus
-from raychat.download import MAX_SHARD, download_shards, reachable
+from raychat.corpus_index import CorpusIndex, list_shards, read_corpus_meta, read_unit_texts, shard_filename
+from raychat.download import MAX_SHARD, REPO_ID, download_shards
+from raychat.fixture_corpus import synthetic_texts, write_synthetic_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_TRAIN = 3
+VAL_DOCS = 10_000
+CUT = 1000  # a dropped or stalled transfer stops this many bytes before the end
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture(scope="module")
 def served_files(tmp_path_factory) -> dict[str, bytes]:
-    """ClimbMix-named files: train shards 0..2 and the val shard 6542, from a synthetic corpus."""
+    """ClimbMix-named files: train shards 0..2 and the val shard 6542, from a synthetic corpus. The val
+    shard is ~15 MB, larger than the chunks huggingface_hub writes (10 MiB), so a transfer cut near its
+    end leaves bytes on disk to resume from."""
     made = tmp_path_factory.mktemp("served")
-    write_synthetic_corpus(made, num_docs=4 * 1100, seed=9, docs_per_shard=1100, val_docs=1100)
+    write_synthetic_corpus(made, num_docs=3 * 1100 + VAL_DOCS, seed=9, docs_per_shard=1100, val_docs=VAL_DOCS)
     paths = [path for _, path in list_shards(made)]
     names = [shard_filename(i) for i in range(NUM_TRAIN)] + [shard_filename(MAX_SHARD)]
     return {name: path.read_bytes() for name, path in zip(names, paths, strict=True)}
 
 
-class ShardServer:
-    """Serves `files` with HEAD, GET and Range; `misbehave(name, request_number)` may return "fail"
-    (HTTP 503), "truncate" (a short file with a matching Content-Length) or "drop" (the full
-    Content-Length, half the body, then the connection closes). Records every request."""
+class HubServer:
+    """A Hub for one dataset at one commit (`main` points to it). `misbehave(name, n)` picks what the
+    n-th GET of a file gets: "corrupt" (same length, other bytes), "truncate" (half, with a matching
+    Content-Length), "drop" (the full Content-Length, all but the last CUT bytes, then the connection
+    closes) or "stall" (all but CUT bytes, then nothing until `release` is set). Records every request."""
 
     def __init__(self, files: dict[str, bytes], misbehave=lambda name, n: None):
         self.files, self.misbehave = files, misbehave
-        self.requests: list[tuple[str, str, str | None]] = []  # (method, name, Range header)
+        self.requests: list[tuple[str, str, str | None, str | None]] = []  # method, path, Range, auth
         self.lock = threading.Lock()
+        self.stalled, self.release = threading.Event(), threading.Event()
         server = self
 
+        def entry(name: str) -> dict:
+            data = server.files[name]
+            return {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest(),
+                    "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}}
+
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, *args):  # keep test output clean
                 pass
 
+            def send_json(self, value) -> None:
+                body = json.dumps(value).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def record(self) -> str:
+                path = unquote(urlparse(self.path).path)
+                with server.lock:
+                    server.requests.append((self.command, path, self.headers.get("Range"),
+                                            self.headers.get("Authorization")))
+                return path
+
+            def do_POST(self):
+                path = self.record()
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
+                if path == f"/api/datasets/{REPO_ID}/paths-info/{COMMIT}":
+                    asked = parse_qs(body).get("paths", [])
+                    return self.send_json([entry(name) for name in asked if name in server.files])
+                self.send_error(404)
+
             def do_HEAD(self):
-                self.respond(body=False)
+                self.resolve(self.record(), body=False)
 
             def do_GET(self):
-                self.respond(body=True)
+                path = self.record()
+                if path in (f"/api/datasets/{REPO_ID}/revision/{rev}" for rev in ("main", COMMIT)):
+                    return self.send_json({"id": REPO_ID, "sha": COMMIT,
+                                           "siblings": [{"rfilename": name} for name in server.files]})
+                if path == f"/api/datasets/{REPO_ID}/tree/{COMMIT}":
+                    return self.send_json([entry(name) for name in server.files])
+                self.resolve(path, body=True)
 
-            def respond(self, body: bool):
-                name = self.path.rsplit("/", 1)[-1]
-                with server.lock:
-                    server.requests.append((self.command, name, self.headers.get("Range")))
-                    number = sum(1 for _, n, _ in server.requests if n == name)
-                data = server.files.get(name)
-                if data is None:
+            def resolve(self, path: str, body: bool):
+                prefix = f"/datasets/{REPO_ID}/resolve/"
+                revision, _, name = path.removeprefix(prefix).partition("/")
+                if not path.startswith(prefix) or revision not in ("main", COMMIT)\
+                        or name not in server.files:
                     self.send_error(404)
                     return
-                action = server.misbehave(name, number) if body else None
-                if action == "fail":
-                    self.send_error(503, "try again later")
-                    return
+                data = server.files[name]
+                action = None
+                if body:
+                    with server.lock:
+                        number = sum(1 for m, p, _, _ in server.requests if m == "GET" and p == path)
+                    action = server.misbehave(name, number)
+                if action == "corrupt":
+                    data = bytes(b ^ 0xFF for b in data[:64]) + data[64:]
                 start = 0
-                if self.headers.get("Range") and action is None:
+                if body and self.headers.get("Range"):
                     start = int(self.headers["Range"].removeprefix("bytes=").split("-")[0])
                     self.send_response(206)
                     self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
@@ -74,132 +125,168 @@ class ShardServer:
                 if action == "truncate":
                     payload = payload[:len(payload) // 2]
                 self.send_header("Content-Length", str(len(payload)))
+                self.send_header("ETag", f'"{hashlib.sha256(server.files[name]).hexdigest()}"')
+                self.send_header("X-Repo-Commit", COMMIT)
                 self.end_headers()
-                if body:
-                    if action == "drop":
-                        self.wfile.write(payload[:len(payload) // 2])
-                        self.close_connection = True
-                    else:
-                        self.wfile.write(payload)
+                if not body:
+                    return
+                if action in ("drop", "stall"):
+                    self.wfile.write(payload[:-CUT])
+                    self.wfile.flush()
+                    if action == "stall":
+                        server.stalled.set()
+                        server.release.wait(60)
+                    self.close_connection = True
+                    return
+                self.wfile.write(payload)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/datasets/climbmix/resolve/main"
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
-    def __enter__(self) -> "ShardServer":
+    def __enter__(self) -> "HubServer":
         self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self.release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join(timeout=10)
 
     def gets(self, name: str) -> list[str | None]:
-        return [rng for method, n, rng in self.requests if method == "GET" and n == name]
+        """The Range header of every GET of a file (None: from the start)."""
+        return [rng for method, path, rng, _ in self.requests
+                if method == "GET" and path.endswith("/" + name)]
 
 
-def fetch(server: ShardServer, data_dir: Path, **kw) -> list[str]:
+def resumed_from(range_header: str | None) -> int:
+    """Where a GET asked to start ("bytes=N-"); 0 for a GET of the whole file."""
+    return int(range_header.removeprefix("bytes=").rstrip("-")) if range_header else 0
+
+
+def fetch(server: HubServer, data_dir: Path, **kw) -> list[str]:
     lines: list[str] = []
-    kw = {"workers": 2, "retries": 3, "backoff_s": 0.01, "timeout_s": 10, "progress_interval_s": 0, **kw}
-    download_shards(data_dir, NUM_TRAIN, base_url=server.url, log=lines.append, **kw)
+    download_shards(data_dir, NUM_TRAIN, endpoint=server.url, workers=2, log=lines.append, **kw)
     return lines
 
 
 def assert_complete(data_dir: Path, served: dict[str, bytes]) -> None:
-    assert sorted(p.name for p in data_dir.iterdir()) == sorted(served)  # no .tmp left behind
+    assert sorted(path.name for _, path in list_shards(data_dir)) == sorted(served)
     for name, data in served.items():
         assert (data_dir / name).read_bytes() == data
 
 
-def test_download_fetches_train_and_val_shards(tmp_path, served_files):
-    with ShardServer(served_files) as server:
-        assert reachable(server.url)
-        lines = fetch(server, tmp_path / "data")
-    assert_complete(tmp_path / "data", served_files)
+def cli_env(endpoint: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "HF_ENDPOINT": endpoint,
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def test_download_fetches_train_and_val_shards_from_one_commit(tmp_path, served_files, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    data_dir = tmp_path / "data"
+    with HubServer(served_files) as server:
+        fetch(server, data_dir)
+        resolves = [path for method, path, _, _ in server.requests if "/resolve/" in path]
+        assert resolves and all(f"/resolve/{COMMIT}/" in path for path in resolves)  # pinned, not `main`
+        assert {auth for *_, auth in server.requests} == {"Bearer hf_test_token"}  # HF_TOKEN honoured
+        before = len(server.requests)
+        fetch(server, data_dir)  # complete files are kept: nothing is fetched again
+        assert not [r for r in server.requests[before:] if r[0] == "GET" and "/resolve/" in r[1]]
+    assert_complete(data_dir, served_files)
+    assert read_corpus_meta(data_dir) == {"source": "hub", "repo": REPO_ID, "revision": COMMIT}
     # The local layout is a valid corpus: shard_06542 is the last, so it is the val split.
-    index = CorpusIndex.load(tmp_path / "data")
+    index = CorpusIndex.load(data_dir)
     assert {u.shard for u in index.val} == {MAX_SHARD} and index.num_train_docs == 3 * 1100
-    assert [t for u in index.val for t in read_unit_texts(u)] == synthetic_texts(4400, seed=9)[3300:]
-    assert any("4/4 files" in line and "MB/s" in line and "ETA" in line for line in lines)
-    assert not reachable(server.url)  # server gone
+    val_texts = [t for u in index.val for t in read_unit_texts(u)]
+    assert val_texts == synthetic_texts(3300 + VAL_DOCS, seed=9)[3300:]
 
 
-def test_flaky_server_is_retried_with_backoff(tmp_path, served_files):
-    def fail_first_two(name, number):
-        return "fail" if number <= 2 else None
-
-    with ShardServer(served_files, fail_first_two) as server:
-        lines = fetch(server, tmp_path / "data", retries=3)
-        assert all(len(server.gets(name)) == 3 for name in served_files)
-    assert_complete(tmp_path / "data", served_files)
-    retries = [line for line in lines if "retrying in" in line]
-    assert len(retries) == 2 * len(served_files)
-    assert sum("attempt 1/3" in line and "in 0.01s" in line for line in retries) == len(served_files)
-    assert sum("attempt 2/3" in line and "in 0.02s" in line for line in retries) == len(served_files)
-
-    with ShardServer(served_files, fail_first_two) as server, \
-            pytest.raises(RaychatError, match=r"after 2 attempts .*503.*re-run the same command"):
-        fetch(server, tmp_path / "not_enough", retries=2)
-    assert not list_shards(tmp_path / "not_enough")
-
-
-def test_truncated_file_is_refetched_never_kept(tmp_path, served_files):
-    victim = shard_filename(1)
-
-    def truncate_first(name, number):
-        return "truncate" if name == victim and number == 1 else None
-
-    with ShardServer(served_files, truncate_first) as server:
+def test_another_revision_into_a_pinned_corpus_is_refused(tmp_path, served_files):
+    with HubServer(served_files) as server:
         fetch(server, tmp_path / "data")
-        assert server.gets(victim) == [None, None]  # fetched again from the start, not resumed
-    assert_complete(tmp_path / "data", served_files)
-
-    # A server that always truncates: the download fails and nothing of that file stays on disk.
-    with ShardServer(served_files, lambda name, n: "truncate" if name == victim else None) as server, \
-            pytest.raises(RaychatError, match=rf"{victim} after 3 attempts \(received file is not a"):
-        fetch(server, tmp_path / "bad")
-    assert not (tmp_path / "bad" / victim).exists() and not (tmp_path / "bad" / (victim + ".tmp")).exists()
+        with pytest.raises(RaychatError, match=f"at commit {COMMIT}, --revision {'f' * 40}"):
+            fetch(server, tmp_path / "data", revision="f" * 40)
 
 
 def test_dropped_connection_resumes_with_range(tmp_path, served_files):
     victim = shard_filename(MAX_SHARD)
-    with ShardServer(served_files, lambda name, n: "drop" if name == victim and n == 1 else None) as server:
+    with HubServer(served_files, lambda name, n: "drop" if name == victim and n == 1 else None) as server:
         fetch(server, tmp_path / "data")
-        half = len(served_files[victim]) // 2
-        assert server.gets(victim) == [None, f"bytes={half}-"]
+        first, resumed = server.gets(victim)
+        assert first is None and resumed_from(resumed) > 0
     assert_complete(tmp_path / "data", served_files)
 
 
-def test_rerun_skips_complete_files_and_replaces_damaged_ones(tmp_path, served_files):
+def test_a_killed_download_keeps_its_complete_files(tmp_path, served_files):
+    # huggingface_hub (2.4) resumes a partial file within one process (above); a partial file of a killed
+    # process goes to a uniquely named temp file that the next run does not pick up, so what a re-run
+    # keeps is every complete file.
+    victim = shard_filename(MAX_SHARD)
     data_dir = tmp_path / "data"
-    with ShardServer(served_files) as server:
+    with HubServer(served_files, lambda name, n: "stall" if name == victim else None) as server:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "raychat.corpus", "download", "--shards", str(NUM_TRAIN), "--data-dir",
+             str(data_dir), "--workers", "1"], env=cli_env(server.url),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert server.stalled.wait(60), "the download never reached the stalled file"
+        finally:
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=30)
+    assert not (data_dir / victim).exists()
+    with HubServer(served_files) as server:
         fetch(server, data_dir)
-        requests_before = len(server.requests)
-        lines = fetch(server, data_dir)
-        assert len(server.requests) == requests_before  # nothing fetched again
-        assert "4 of 4 files already present" in lines[0]
-        damaged = data_dir / shard_filename(2)
-        damaged.write_bytes(served_files[shard_filename(2)][:1000])
-        lines = fetch(server, data_dir)
-        assert [name for _, name, _ in server.requests[requests_before:]] == [shard_filename(2)]
-    assert f"download: {shard_filename(2)} is damaged, fetching it again" in lines
+        fetched = [path.rsplit("/", 1)[-1] for method, path, *_ in server.requests
+                   if method == "GET" and "/resolve/" in path]
+        assert fetched == [victim]
     assert_complete(data_dir, served_files)
 
 
-def test_download_cli(tmp_path, served_files):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with ShardServer(served_files) as server:
+def test_corrupted_file_is_rejected_and_fetched_again(tmp_path, served_files):
+    victim = shard_filename(2)
+    with HubServer(served_files, lambda name, n: "corrupt" if name == victim and n == 1 else None) as server:
+        lines = fetch(server, tmp_path / "data")
+        assert len(server.gets(victim)) == 2
+    assert any(line.startswith(f"download: {victim} rejected (sha256 ") for line in lines)
+    assert_complete(tmp_path / "data", served_files)
+
+    with HubServer(served_files, lambda name, n: "corrupt" if name == victim else None) as server, \
+            pytest.raises(RaychatError, match=rf"{victim} from .* was rejected twice \(sha256 "):
+        fetch(server, tmp_path / "bad")
+    assert not (tmp_path / "bad" / victim).exists()
+
+
+def test_truncated_file_is_never_kept_and_a_rerun_completes_it(tmp_path, served_files):
+    victim = shard_filename(0)
+    with HubServer(served_files, lambda name, n: "truncate" if name == victim else None) as server, \
+            pytest.raises(RaychatError, match=r"could not fetch .*re-run the same command"):
+        fetch(server, tmp_path / "data")
+    assert not (tmp_path / "data" / victim).exists()
+    with HubServer(served_files) as server:
+        fetch(server, tmp_path / "data")
+    assert_complete(tmp_path / "data", served_files)
+
+
+def test_cli_downloads_and_fails_in_one_line_when_the_endpoint_is_unreachable(tmp_path, served_files):
+    with HubServer(served_files) as server:
         result = subprocess.run(
-            [sys.executable, "-m", "raychat.corpus", "download", "--shards", "2", "--base-url", server.url,
-             "--data-dir", str(tmp_path / "d"), "--workers", "3"],
-            capture_output=True, text=True, env=env, timeout=120)
-        assert result.returncode == 0, result.stderr
-        assert "documents:  3,300 (train 2,200, val 1,100)" in result.stdout
-        bad = subprocess.run([sys.executable, "-m", "raychat.corpus", "download", "--shards", "0",
-                              "--base-url", server.url, "--data-dir", str(tmp_path / "e")],
-                             capture_output=True, text=True, env=env, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.strip() == (
-        f"raychat: error: --shards must be between 1 and {MAX_SHARD} (the train shards of ClimbMix), got 0")
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [
-        shard_filename(0), shard_filename(1), shard_filename(MAX_SHARD)]
+            [sys.executable, "-m", "raychat.corpus", "download", "--shards", "2", "--data-dir",
+             str(tmp_path / "d"), "--workers", "3"], capture_output=True, text=True, env=cli_env(server.url),
+            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "documents:  12,200 (train 2,200, val 10,000)" in result.stdout
+    assert f"source:     {REPO_ID} @ {COMMIT}" in result.stdout
+
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    result = subprocess.run([sys.executable, "-m", "raychat.corpus", "download", "--shards", "2",
+                             "--data-dir", str(tmp_path / "e")], capture_output=True, text=True,
+                            env=cli_env(dead), timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"raychat: error: could not fetch {REPO_ID} from {dead}")
+    assert "HF_ENDPOINT" in lines[0]
+    assert not list_shards(tmp_path / "e")

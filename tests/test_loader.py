@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from raychat.common import RaychatError
-from raychat.corpus import CorpusIndex, read_unit_texts
-from raychat.corpus_sources import write_synthetic_corpus
+from raychat.corpus_index import CorpusIndex, read_unit_texts
 from raychat.cursor import UnitSchedule, expand
+from raychat.fixture_corpus import write_synthetic_corpus
 from raychat.loader import TrainLoader, merge_cursor, val_loader
 from raychat.packer import BestFitPacker
 from raychat.tokenizer import Tokenizer, train_tokenizer

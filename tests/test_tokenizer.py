@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raychat.common import RaychatError
-from raychat.corpus import CorpusWriter, iter_split_texts
+from raychat.corpus_index import iter_split_texts
+from raychat.corpus_writer import CorpusWriter
 from raychat.tokenizer import (
     MIN_VOCAB_SIZE,
     SPECIAL_TOKENS,

@@ -189,7 +189,7 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
 
 
 def test_resize_two_to_one_consumes_every_doc_once(ray_session, tiny_corpus, tmp_path, storage):
-    from raychat.corpus import CorpusIndex
+    from raychat.corpus_index import CorpusIndex
     from raychat.cursor import UnitSchedule, expand
 
     data_dir, _ = tiny_corpus
