@@ -78,6 +78,12 @@ class TrainConfig:
     run_name: str = _flag("", "run directory under storage-path; re-running a name resumes it "
                           "(default: the model tag)", "ray")
     keep_checkpoints: int = _flag(3, "how many recent checkpoints to keep", "ray")
+    resize_check_every: float = _flag(60.0, "elastic runs: seconds between Ray's checks whether more workers "
+                                      "fit (then the group is restarted larger, after a checkpoint)", "ray")
+    placement_strategy: str = _flag("PACK", "how workers are placed on nodes: PACK fills nodes (GPU runs), "
+                                    "SPREAD / STRICT_SPREAD put them on different nodes (a node loss then "
+                                    "takes fewer workers)", "ray", choices=("PACK", "SPREAD", "STRICT_PACK",
+                                                                           "STRICT_SPREAD"))
     preset: str = _flag("", "start from a named preset, then apply the other flags: 'cpu' trains a "
                         "small model in a few minutes on a laptop CPU", "ray", choices=("", "cpu"))
 
@@ -103,6 +109,8 @@ class TrainConfig:
         if not 0 <= self.warmdown_ratio <= 1:
             raise RaychatError(f"--warmdown-ratio must be within [0, 1], got {self.warmdown_ratio}")
         self.worker_range()  # raises on a malformed --num-workers
+        if self.resize_check_every < 0:
+            raise RaychatError(f"--resize-check-every must be >= 0 seconds, got {self.resize_check_every}")
 
     def worker_range(self) -> tuple[int, int]:
         """(min, max) workers from --num-workers 'N' or 'MIN:MAX'."""

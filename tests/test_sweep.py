@@ -1,23 +1,26 @@
 """tune.sweep: grid construction and trial configs (no Ray), then a real sweep on the shared cluster:
 4 tiny trials (2 depths x 2 ratios, CPU), interrupted with Ctrl-C after a trial finished and
-resumed by re-running the command: every trial reports val bpb, the finished trial is not re-run,
-the table and plots are written."""
+resumed by re-running the command, all in a real S3 API (moto): every trial reports val bpb, the
+finished trial is not re-run, the table and plots are written into the bucket."""
 
 import csv
+import io
 import json
 import math
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from conftest import s3_uri
 
+from raychat.checkpoint import list_checkpoints
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig
-from tune.report import SWEEP_SPEC_FILE, SweepDir, load_sweep
-from tune.sweep import asha_scheduler, build_trials, check_same_grid, main, parse_list, trial_name
+from raychat.storage import Storage
+from tune.report import SWEEP_SPEC_FILE, load_sweep, one_result_per_step
+from tune.sweep import build_trials, check_same_grid, main, parse_list, trial_name
 
 # d2/d3, width 32 per layer, T 64, 256-token steps: each trial is a few steps of the full model.
 TINY = ["--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--window-pattern", "L",
@@ -108,28 +111,19 @@ def test_flag_errors(capsys):
     assert "--name must be" in capsys.readouterr().err
 
 
-def test_asha_compares_val_bpb_at_equal_flops():
-    from types import SimpleNamespace
-
-    trials = build_trials(tiny_base(), [2, 3], [], [2e10, 6e10], "1", "/runs", vocab_size=512)
-    scheduler = asha_scheduler(trials)
-    first_rung = min(t["plan"]["total_flops"] for t in trials) / 3
-    a, b, c = (SimpleNamespace(trial_id=i) for i in "abc")
-    for t in (a, b, c):
-        scheduler.on_trial_add(None, t)
-    # before the first rung, or a report without val bpb (a checkpoint-only step): keep going
-    assert scheduler.on_trial_result(None, c, {"flops_so_far": first_rung / 2, "val_bpb": 9.0}) == "CONTINUE"
-    assert scheduler.on_trial_result(None, c, {"flops_so_far": first_rung, "step": 3}) == "CONTINUE"
-    # at the rung, in the same FLOPs: a trial trailing the others is stopped
-    assert scheduler.on_trial_result(None, a, {"flops_so_far": first_rung, "val_bpb": 1.0}) == "CONTINUE"
-    assert scheduler.on_trial_result(None, b, {"flops_so_far": first_rung, "val_bpb": 0.9}) == "CONTINUE"
-    assert scheduler.on_trial_result(None, c, {"flops_so_far": first_rung, "val_bpb": 1.3}) == "STOP"
+def test_a_restarted_trial_counts_each_step_once():
+    """A trial restored from its checkpoint at step 4 redoes and re-reports steps 5-6: the report
+    keeps one result per (trial, step), the later one, in step order."""
+    reports = [{"step": 0, "val_bpb": 3.0}, {"step": 4, "val_bpb": 2.5}, {"step": 6, "val_bpb": 2.4},
+               {"step": 4, "val_bpb": 2.5}, {"step": 6, "val_bpb": 2.3}, {"step": 8, "val_bpb": 2.2}]
+    kept = one_result_per_step(reports)
+    assert [(r["step"], r["val_bpb"]) for r in kept] == [(0, 3.0), (4, 2.5), (6, 2.3), (8, 2.2)]
 
 
 def test_resume_refuses_another_grid(tmp_path):
     trials = build_trials(tiny_base(), [2, 3], [4.0], [], "1", "/runs", vocab_size=512)
-    sweep_dir = SweepDir(str(tmp_path / "s"))
-    sweep_dir.write_text(SWEEP_SPEC_FILE, json.dumps({"trials": trials}))
+    sweep_dir = Storage(str(tmp_path / "s"))
+    sweep_dir.write_bytes(SWEEP_SPEC_FILE, json.dumps({"trials": trials}).encode())
     check_same_grid(sweep_dir, trials, "s")  # same grid: fine
     with pytest.raises(RaychatError, match="started with trials d2_r4,d3_r4 but this command defines d2_r4"):
         check_same_grid(sweep_dir, trials[:1], "s")
@@ -138,28 +132,29 @@ def test_resume_refuses_another_grid(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # A real sweep on the shared cluster
 
-def _trial_status(experiment: Path) -> dict[str, str]:
+def _trial_status(experiment: Storage) -> dict[str, str]:
     """Trial -> Tune status from the newest experiment state Tune has written (what a restore reads)."""
-    states = sorted(experiment.glob("experiment_state-*.json"))
+    states = sorted(i.base_name for i in experiment.entries() if i.base_name.startswith("experiment_state-"))
     if not states:
         return {}
     try:
-        state = json.loads(states[-1].read_text())
-    except json.JSONDecodeError:  # caught mid-write
+        state = json.loads(experiment.read_bytes(states[-1]))
+    except (json.JSONDecodeError, FileNotFoundError):  # caught mid-write
         return {}
     return {json.loads(t)["relative_logdir"]: json.loads(t)["status"] for t, _ in state["trial_data"]}
 
 
 @pytest.fixture(scope="module")
-def interrupted_sweep(ray_session, tiny_corpus, tmp_path_factory):
-    """Start a 4-trial sweep, Ctrl-C it once a trial has finished, then re-run the same command."""
+def interrupted_sweep(ray_session, tiny_corpus, s3_endpoint, tmp_path_factory):
+    """Start a 4-trial sweep in the S3 bucket, Ctrl-C it once a trial has finished, then re-run the
+    same command. (On a bucket: the harder case; local paths go through the same Storage code.)"""
     data_dir, tokenizer_dir = tiny_corpus
-    storage = tmp_path_factory.mktemp("sweeps")
+    storage = s3_uri(s3_endpoint, f"sweeps-{time.time_ns()}")
     cmd = [sys.executable, "-m", "tune.sweep", "--depths", "2,3", "--ratios", "0.004,0.008", *TINY,
-           "--data-dir", str(data_dir), "--tokenizer-dir", str(tokenizer_dir), "--storage-path", str(storage),
+           "--data-dir", str(data_dir), "--tokenizer-dir", str(tokenizer_dir), "--storage-path", storage,
            "--name", "tiny", "--max-concurrent", "2"]
-    experiment = storage / "tiny"
-    first_log = storage / "first.log"
+    experiment = Storage(storage).child("tiny")
+    first_log = tmp_path_factory.mktemp("sweep-logs") / "first.log"
     with open(first_log, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ray_session.driver_env())
         try:
@@ -176,10 +171,12 @@ def interrupted_sweep(ray_session, tiny_corpus, tmp_path_factory):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    before = {t: (experiment / t / "result.json").read_bytes() for t in finished}
+    before = {t: experiment.child(t).read_bytes("result.json") for t in finished}
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ray_session.driver_env())
+    report = subprocess.run([sys.executable, "-m", "tune.report", "--name", "tiny",
+                             "--storage-path", storage], capture_output=True, text=True, timeout=120)
     return {"experiment": experiment, "finished_first": finished, "before": before, "first_rc": first_rc,
-            "first_out": first_log.read_text(), "second": second}
+            "first_out": first_log.read_text(), "second": second, "report": report}
 
 
 @pytest.mark.ray
@@ -192,7 +189,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(interrupted
     for trial in s["finished_first"]:
         # Tune never started it again, and its results are exactly those of the first run
         assert f"Trial {trial} started" not in out
-        assert (s["experiment"] / trial / "result.json").read_bytes() == s["before"][trial]
+        assert s["experiment"].child(trial).read_bytes("result.json") == s["before"][trial]
     names = ("d2_r0.004", "d2_r0.008", "d3_r0.004", "d3_r0.008")
     started_again = [t for t in names if f"Trial {t} started" in out]
     assert len(started_again) == 4 - len(s["finished_first"])
@@ -203,7 +200,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(interrupted
 
 @pytest.mark.ray
 def test_every_trial_reports_val_bpb(interrupted_sweep):
-    trials = load_sweep(str(interrupted_sweep["experiment"]))
+    trials = load_sweep(interrupted_sweep["experiment"].location)
     assert [t.name for t in trials] == ["d2_r0.004", "d2_r0.008", "d3_r0.004", "d3_r0.008"]
     for t in trials:
         assert t.status == "finished", t.name
@@ -215,18 +212,24 @@ def test_every_trial_reports_val_bpb(interrupted_sweep):
         assert all(0 < r["val_bpb"] < 20 and math.isfinite(r["val_bpb"]) for r in evals)
         assert t.last("total_tokens") == plan["total_tokens"]
         assert t.last("flops_so_far") == plan["total_flops"]
-        # the trial's raychat run lives under the sweep and kept its final checkpoint
-        run_dir = interrupted_sweep["experiment"] / "runs" / t.name
-        assert any(run_dir.glob(f"checkpoint_{plan['num_iterations']:06d}"))
+        # ASHA compares trials at equal FLOPs: every report says the FLOPs spent by its step
+        flops_per_step = plan["total_flops"] / plan["num_iterations"]
+        assert all(r["flops_so_far"] == pytest.approx(r["step"] * flops_per_step) for r in t.results)
+        # the trial's raychat run lives under the sweep in the bucket and kept its final checkpoint
+        run = interrupted_sweep["experiment"].child("runs", t.name)
+        assert f"checkpoint_{plan['num_iterations']:06d}" in [c.name for c in list_checkpoints(run)]
 
 
 @pytest.mark.ray
-def test_sweep_writes_table_and_plots(interrupted_sweep):
-    report = interrupted_sweep["experiment"] / "report"
-    with open(report / "trials.csv") as f:
-        rows = list(csv.DictReader(f))
+def test_sweep_writes_table_and_plots_into_the_bucket(interrupted_sweep):
+    report = interrupted_sweep["experiment"].child("report")
+    rows = list(csv.DictReader(io.StringIO(report.read_text("trials.csv"))))
     assert [r["trial"] for r in rows] == ["d2_r0.004", "d2_r0.008", "d3_r0.004", "d3_r0.008"]
     assert {r["status"] for r in rows} == {"finished"}
     assert all(float(r["val_bpb"]) > 0 for r in rows)
-    assert (report / "val_bpb_vs_flops.png").stat().st_size > 10_000
+    assert report.info("val_bpb_vs_flops.png").size > 10_000
     assert "d3_r0.008" in interrupted_sweep["second"].stdout  # the table is printed too
+    # tune.report --storage-path URI reads the sweep from the bucket and writes there again
+    again = interrupted_sweep["report"]
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "d3_r0.008" in again.stdout and report.location in again.stdout

@@ -105,7 +105,7 @@ def load_sweep(path: str) -> list[Trial]:
             continue  # not a tune.sweep trial
         results = []
         if storage.exists(f"{info.base_name}/result.json"):
-            results = _one_result_per_step([json.loads(line) for line in storage.read_text(
+            results = one_result_per_step([json.loads(line) for line in storage.read_text(
                 f"{info.base_name}/result.json").splitlines() if line.strip()])
         status = _status(statuses.get(info.base_name), results)
         found[spec["name"]] = Trial(spec["name"], status, spec, results)
@@ -116,7 +116,7 @@ def load_sweep(path: str) -> list[Trial]:
     return [found.get(name) or Trial(name, "not started", specs[name]) for name in order]
 
 
-def _one_result_per_step(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def one_result_per_step(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A trial restarted from a checkpoint redoes (and reports again) the steps after it: keep the
     latest report of each step, in step order, so every (trial, step) counts once."""
     by_step: dict[Any, dict[str, Any]] = {}

@@ -1,0 +1,121 @@
+"""Elastic runs that lose no work on a planned resize, and say what happened at every restart.
+
+Ray Train V2's elastic policy (`ScalingConfig(num_workers=(min, max))`) restarts the worker group
+in two cases: a failure (a worker or its node died; the group restarts with as many workers as fit)
+and a planned resize (the group is healthy and more workers now fit: the controller goes
+RunningState -> ResizingState -> SchedulingState and calls
+`ControllerCallback.before_controller_execute_resize_decision` before it shuts the old group down;
+ray/train/v2/_internal/execution/controller/controller.py, `_execute_resize_decision`). Both restart
+from the latest checkpoint. A failure cannot be planned for, but a resize can: `PlannedResizeSave`
+holds the controller in that hook until the workers have saved a checkpoint at their next step
+boundary, so the larger group resumes exactly where the smaller one stopped.
+
+`Coordinator` is a small named actor, created by the driver for one run: the controller callback
+asks it for a save, rank 0 polls it without blocking (the request reaches every rank through the
+step's loss all-reduce), and it remembers the last step each attempt trained, so a new attempt can
+log "Lost 1 worker(s) ...; 7 steps redone" or "Grew to 3 workers at step 160 (no steps redone)".
+"""
+
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.controller.state import ResizingState
+
+SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
+
+
+@ray.remote(num_cpus=0)
+class Coordinator:
+    """Shared state of one run's attempts (one actor per driver run, named after its session)."""
+
+    def __init__(self):
+        self.save_requested = False
+        self.saved_step: int | None = None
+        self.last_step: int | None = None  # the last step the current attempt finished
+        self.world_size: int | None = None
+        self.attempts = 0
+
+    def request_save(self) -> None:
+        self.save_requested, self.saved_step = True, None
+
+    def poll_request(self) -> bool:
+        return self.save_requested
+
+    def saved(self, step: int) -> None:
+        self.save_requested, self.saved_step = False, step
+
+    def get_saved_step(self) -> int | None:
+        return self.saved_step
+
+    def progress(self, step: int) -> None:
+        self.last_step = step
+
+    def start_attempt(self, step: int, world_size: int) -> dict:
+        """Called by rank 0 of each new attempt: what the previous attempt did."""
+        previous = {"attempt": self.attempts, "last_step": self.last_step, "world_size": self.world_size,
+                    "planned_step": self.saved_step}
+        self.attempts += 1
+        self.last_step, self.world_size, self.saved_step = None, world_size, None
+        return previous
+
+
+def coordinator_name(session: str) -> str:
+    return f"raychat-coordinator-{session}"
+
+
+def start_coordinator(session: str) -> "ray.actor.ActorHandle":
+    """Create the run's coordinator (owned by the calling driver: it ends with the run)."""
+    return Coordinator.options(name=coordinator_name(session), num_cpus=0).remote()
+
+
+class PlannedResizeSave(ControllerCallback):
+    """Before a planned resize restarts the group, have the workers checkpoint the current step."""
+
+    def __init__(self, session: str, wait_s: float = SAVE_WAIT_S):
+        self.session = session
+        self.wait_s = wait_s
+        self._planned = False
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        if isinstance(current_state, ResizingState):
+            self._planned = True  # a healthy group about to be resized (not a restart after a failure)
+
+    def before_controller_execute_resize_decision(self, resize_decision) -> None:
+        if not self._planned:
+            return
+        self._planned = False
+        coordinator = ray.get_actor(coordinator_name(self.session))
+        ray.get(coordinator.request_save.remote())
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            if ray.get(coordinator.get_saved_step.remote()) is not None:
+                return
+            time.sleep(0.2)
+
+
+@dataclass
+class AttemptStart:
+    """How this attempt of the worker group came to be, for the log line and the run's counters."""
+
+    kind: str  # "first" | "planned" | "failure"
+    line: str | None
+    redone_steps: int = 0
+
+
+def describe_attempt(previous: dict, step: int, world_size: int, checkpoint: str | None) -> AttemptStart:
+    """One log line for a restarted attempt (None for the first)."""
+    if previous["attempt"] == 0:
+        return AttemptStart("first", None)
+    before = previous["world_size"] or world_size
+    if previous["planned_step"] is not None:
+        verb = "Grew" if world_size > before else "Resized"
+        return AttemptStart("planned", f"{verb} to {world_size} workers at step {step} (no steps redone)")
+    last = previous["last_step"]
+    redone = max(0, last + 1 - step) if last is not None else 0
+    lost = before - world_size
+    what = f"Lost {lost} worker(s)" if lost > 0 else "A worker failed"
+    where = f"from step {step} ({checkpoint})" if checkpoint else f"from step {step} (no checkpoint yet)"
+    return AttemptStart("failure", f"{what}: continuing on {world_size} {where}; {redone} steps redone",
+                        redone)
