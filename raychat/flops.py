@@ -1,12 +1,7 @@
-"""FLOPs per token, peak FLOPs of the accelerator, and MFU (model FLOPs utilisation).
+"""Peak FLOP/s of the accelerator and MFU (model FLOPs utilisation); the FLOPs per token come from
+the model (GPT.estimate_flops).
 
-FLOPs per token follow nanochat's estimate_flops: every weight that takes part in a matmul costs
-6 FLOPs per token (2 forward, 4 backward); embedding lookups (wte, value embeddings) and the
-per-layer scalars (resid/x0 lambdas, smear gate and lambda, backout lambda) are excluded. Attention
-scores and their weighted sum add 12 * n_head * head_dim * min(window, T) per layer, so sliding
-windows make short layers cheaper.
-
-MFU divides achieved FLOPs/s by the dense bf16 tensor-core peak. The table below holds datasheet
+MFU divides achieved FLOP/s by the dense bf16 tensor-core peak. The table below holds datasheet
 figures (dense, i.e. without 2:4 sparsity). GeForce cards run bf16 with fp32 accumulation at half
 the rate NVIDIA advertises for fp16 accumulation, and training needs fp32 accumulation, so they get
 the fp32-accumulate figure. A CUDA/ROCm device not in the table is measured once with a large bf16
@@ -19,7 +14,7 @@ import time
 
 import torch
 
-from raychat.model import GPT, GPTConfig, compute_dtype, window_sizes
+from raychat.model import compute_dtype
 
 # (words that must all occur in the device name, dense bf16 FLOP/s). Names are split into words at
 # anything not a letter or digit ("NVIDIA A100-SXM4-80GB" -> nvidia a100 sxm4 80gb), so "a40" does
@@ -73,17 +68,6 @@ PEAK_BF16_TABLE: list[tuple[tuple[str, ...], float]] = [
 ]
 # device-name words -> dense bf16 FLOP/s, for a quick look (lookups go through the ordered table)
 PEAK_BF16_FLOPS: dict[str, float] = {" ".join(names): flops for names, flops in PEAK_BF16_TABLE}
-
-
-def flops_per_token(config: GPTConfig) -> int:
-    """Training FLOPs per token: 6 * matmul weights + per-layer attention 12 * H * D * min(window, T)."""
-    with torch.device("meta"):
-        model = GPT(config)
-    counts = model.num_scaling_params()
-    excluded = counts["wte"] + counts["value_embeds"] + counts["scalars"]
-    attention = sum(12 * config.n_head * config.head_dim * min(w, config.sequence_len)
-                    for w in window_sizes(config))
-    return 6 * (counts["total"] - excluded) + attention
 
 
 def lookup_peak_flops(device_name: str) -> float | None:

@@ -10,8 +10,8 @@ buffers allocated once per call and overwritten in place, so a step faults in th
 When gradients are needed they are computed in the same pass, while the chunk's softmax is at hand:
 dL/dx chunk by chunk, dL/dW summed in fp32 across chunks. Backward then only scales the two saved
 gradients by grad_output: nothing of [rows, vocab] survives the forward, and nothing is recomputed.
-Measured at d4's shape on 2 CPU threads: 2.2x faster than the plain chain, same loss and gradients
-to fp32 rounding (tests/test_model.py compares the two).
+Same loss and gradients as the plain chain to fp32 rounding (tests/test_model.py compares the two);
+what it does to a step's speed and memory: bench/RESULTS.md, "Step".
 
 torch.compile fuses the plain chain by itself, so compiled graphs keep it (raychat.model decides).
 """

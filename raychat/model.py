@@ -358,9 +358,15 @@ class GPT(nn.Module):
         return counts
 
     def estimate_flops(self) -> int:
-        """Training FLOPs per token (forward + backward); see raychat.flops."""
-        from raychat.flops import flops_per_token  # flops builds models on meta, so it imports this module
-        return flops_per_token(self.config)
+        """Training FLOPs per token, counted as nanochat's estimate_flops counts them: each weight of
+        every Linear (blocks, ve gates, smear gate, lm_head with its vocab padding) costs 6 (2 forward,
+        4 backward); embedding lookups and the scalars cost nothing; attention scores and their
+        weighted sum add 12 * n_head * head_dim * min(window, T) per layer. Works on the meta device."""
+        matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        cfg = self.config
+        attention = sum(12 * cfg.n_head * cfg.head_dim * min(window, cfg.sequence_len)
+                        for window in self.window_sizes)
+        return 6 * matmul_weights + attention
 
     def optimizer_param_sets(self) -> dict[str, list[nn.Parameter]]:
         """Parameters grouped as nanochat's GPT.setup_optimizer groups them; every parameter is in

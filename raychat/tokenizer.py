@@ -268,7 +268,7 @@ def _batches(texts: Iterable[str], stats: _ReadStats, serial_after: bool,
     When the corpus is exhausted and `serial_after`, switch HF's parallelism off: the trainer reads
     TOKENIZERS_PARALLELISM at each parallel section; counting words (done) gains from every core,
     but the merge loop runs one tiny rayon job per merge, 32k of them, whose thread wake-ups cost
-    more than the work (measured on 2 cores: merges 0.8 s serial against 2.5 s parallel)."""
+    more than the work."""
     batch: list[str] = []
     start = time.perf_counter()
     for text in texts:

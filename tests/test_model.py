@@ -1,6 +1,6 @@
 """The GPT: shapes and parameter counts worked out by hand (seed 001's d12), nanochat's init,
 the loss contract, the chunked loss against the plain chain, causality and sliding windows,
-precision, generation, optimizer sets."""
+precision, generation, optimizer sets, FLOPs per token (nanochat's d12 figure and by hand)."""
 
 import math
 
@@ -409,11 +409,36 @@ def test_optimizer_param_sets_cover_every_parameter_once():
     assert [names[id(p)] for p in sets["value_embeds"]] == ["value_embeds.1.weight", "value_embeds.3.weight"]
 
 
-def test_estimate_flops_is_the_flops_module():
-    from raychat.flops import flops_per_token
+def meta_model(config: GPTConfig) -> GPT:
+    with torch.device("meta"):
+        return GPT(config)
 
-    model = tiny_model()
-    assert model.estimate_flops() == flops_per_token(model.config)
+
+def test_estimate_flops_d12_is_nanochats_figure():
+    # nanochat's GPT.estimate_flops for d12, window L, head_dim 128, vocab 32768, T 2048 (its base_train
+    # prints "Estimated FLOPs per token: 8.870980e+08"): 887,098,032. By hand: the matmul weights are
+    # 12 layers x 12 C^2 (q, k, v, proj = 4 C^2; MLP 8 C^2) = 84,934,656, six ve gates (12 x 6) = 432,
+    # lm_head C x V = 25,165,824, the smear gate 24 x 1 = 24: 110,100,936 x 6 = 660,605,616; attention
+    # 12 layers x 12 x H 6 x D 128 x T 2048 = 226,492,416.
+    assert meta_model(gpt_config(12, 64, 128, 2048, 32768, "L")).estimate_flops() == 887_098_032
+    # SSSL: layers 3, 7, 11 see T = 2048, the other nine a window of 512: attention 12 x 6 x 128 x
+    # (9 x 512 + 3 x 2048) = 99,090,432
+    assert meta_model(gpt_config(12, 64, 128, 2048, 32768, "SSSL")).estimate_flops() == 759_696_048
+
+
+def test_estimate_flops_tiny_config_by_hand():
+    # 2 layers, width 32, 2 query heads of 16, 1 kv head (GQA), vocab 50 padded to 64, T 256, pattern S
+    # -> windows [128 (256 / 4 rounded up to 128), 256 (the last layer is always L)].
+    # per layer: c_q 32x32 = 1,024, c_k 32x16 = 512, c_v 512, c_proj 1,024, c_fc 32x128 = 4,096,
+    #   mlp c_proj 4,096: 11,264; x 2 layers = 22,528
+    # ve gate on layer 1 only: 12 x 1 = 12; lm_head 32 x 64 (padded) = 2,048; smear gate 24
+    # matmul weights 24,612 x 6 = 147,672; attention 12 x 2 x 16 x (128 + 256) = 147,456
+    config = GPTConfig(sequence_len=256, vocab_size=50, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+                       window_pattern="S")
+    assert meta_model(config).estimate_flops() == 295_128
+    # T 100: the short window (128) is longer than the sequence and counts T: 12 x 2 x 16 x (100 + 100)
+    config.sequence_len = 100
+    assert meta_model(config).estimate_flops() == 147_672 + 76_800
 
 
 def test_generate_greedy_matches_argmax_and_sampling_is_seeded():

@@ -1,5 +1,6 @@
-"""tune.fit's iso-FLOP analysis on synthetic sweeps with a known optimum, and tune.report on a real
-Ray Tune experiment directory (trials that report synthetic results, laid out by Tune itself)."""
+"""tune.fit's iso-FLOP analysis on synthetic sweeps with a known optimum, the plots read back from
+their Figure objects (series per depth, axis labels, fitted points), and tune.report on a real Ray
+Tune experiment directory (trials that report synthetic results, laid out by Tune itself)."""
 
 import csv
 import json
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 
 from tune.fit import budget_optimum, compute_optimal, fit_power_law, r_squared
-from tune.report import SWEEP_SPEC_FILE, load_sweep, main, trial_row, write_report
+from tune.plots import DPI, bpb_vs_flops_figure, iso_flop_figure
+from tune.report import SWEEP_SPEC_FILE, Trial, eval_curves, load_sweep, main, trial_row, write_report
 
 BUDGETS = [1e17, 1e18, 1e19, 1e20]
 SPREAD = [0.3, 0.6, 1.4, 2.5]  # model sizes tried, as multiples of the optimum (asymmetric on purpose)
@@ -123,6 +125,83 @@ def synthetic_specs():
     return specs
 
 
+EVAL_FRACTIONS = (0.25, 0.5, 1.0)  # a trial evaluates at a quarter, half and all of its budget
+
+
+def synthetic_reports(spec):
+    """What a trial of `spec` reports: val bpb falls by 0.3 x the budget still to spend; FLOPs so far
+    are tokens x FLOPs/token = C / 6N x frac x 6N = C x frac."""
+    tokens, bpb, fpt = spec["fake"]["tokens"], spec["fake"]["bpb"], spec["plan"]["flops_per_token"]
+    return [{"val_bpb": bpb + 0.3 * (1 - frac), "total_tokens": tokens * frac,
+             "flops_so_far": tokens * frac * fpt, "train_done": frac == 1.0 and not spec.get("cut")}
+            for frac in EVAL_FRACTIONS]
+
+
+def expected_evals(spec):
+    return [(spec["flops_budget"] * frac, spec["fake"]["bpb"] + 0.3 * (1 - frac)) for frac in EVAL_FRACTIONS]
+
+
+def test_bpb_vs_flops_plot_draws_each_trials_evals_one_colour_per_depth():
+    specs = synthetic_specs()
+    trials = [Trial(s["name"], "finished", s, synthetic_reports(s)) for s in specs]
+    trials.append(Trial("never_started", "not started", specs[0]))  # no evals: nothing drawn
+    (ax,) = bpb_vs_flops_figure(eval_curves(trials)).axes
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("training FLOPs", "validation bits per byte")
+    assert ax.get_xscale() == "log"
+    legend = ax.get_legend()
+    assert legend.get_title().get_text() == "depth"
+    assert [t.get_text() for t in legend.get_texts()] == ["d2", "d3", "d4"]
+    curves = [line for line in ax.get_lines() if line.get_linestyle() == "-"]
+    dots = [line for line in ax.get_lines() if line.get_marker() == "o"]
+    assert len(curves) == len(dots) == len(specs)
+    colour_of_depth = {}
+    for spec, curve, dot in zip(specs, curves, dots, strict=True):
+        xs, ys = zip(*expected_evals(spec), strict=True)
+        assert list(curve.get_xdata()) == pytest.approx(xs) and list(curve.get_ydata()) == pytest.approx(ys)
+        assert list(dot.get_xdata()) == pytest.approx([spec["flops_budget"]])  # the last eval only
+        assert list(dot.get_ydata()) == pytest.approx([spec["fake"]["bpb"]])
+        assert curve.get_color() == pytest.approx(dot.get_color())
+        colour_of_depth.setdefault(spec["depth"], []).append(tuple(curve.get_color()))
+    assert all(len(set(colours)) == 1 for colours in colour_of_depth.values())  # a depth keeps its colour
+    assert len({colours[0] for colours in colour_of_depth.values()}) == 3       # depths differ
+
+
+def test_iso_flop_plot_shows_trials_parabolas_optima_and_power_laws():
+    # truth: N_opt = k C^0.5 with D/N = 20; bpb at the optimum 0.9 + 0.05 log10(1e20 / C)
+    k = 1 / math.sqrt(120)
+    points = synthetic_points(0.5, k)
+    fig = iso_flop_figure(points, compute_optimal(points))
+    valleys, n_opt, d_opt = fig.axes
+    assert (valleys.get_xlabel(), valleys.get_ylabel()) == ("scaling parameters N", "final val bpb")
+    assert [t.get_text() for t in valleys.get_legend().get_texts()] == ["1e+17", "1e+18", "1e+19", "1e+20"]
+    trials = [line for line in valleys.get_lines() if line.get_marker() == "o"]
+    parabolas = [line for line in valleys.get_lines() if line.get_linestyle() == "--"]
+    stars = [line for line in valleys.get_lines() if line.get_marker() == "*"]
+    assert len(trials) == len(parabolas) == len(stars) == len(BUDGETS)
+    for c, dots, parabola, star in zip(BUDGETS, trials, parabolas, stars, strict=True):
+        budget_points = sorted((n, bpb) for budget, n, _, bpb in points if budget == c)
+        assert list(dots.get_xdata()) == [n for n, _ in budget_points]  # the trials' own numbers
+        assert list(dots.get_ydata()) == [bpb for _, bpb in budget_points]
+        best_bpb = 0.9 + 0.05 * math.log10(1e20 / c)
+        assert star.get_xdata()[0] == pytest.approx(k * c**0.5, rel=1e-6)
+        assert star.get_ydata()[0] == pytest.approx(best_bpb, abs=1e-9)
+        # the dashed curve is the valley: through every trial's bpb, lowest at the star
+        ln_n, curve = np.log(parabola.get_xdata()), parabola.get_ydata()
+        assert curve.min() == pytest.approx(best_bpb, abs=1e-4)
+        for n, bpb in budget_points:
+            assert np.interp(math.log(n), ln_n, curve) == pytest.approx(bpb, abs=1e-3)
+    for ax, name, unit, truth in ((n_opt, "N_opt", "parameters", lambda c: k * c**0.5),
+                                  (d_opt, "D_opt", "tokens", lambda c: c**0.5 / (6 * k))):
+        assert (ax.get_xlabel(), ax.get_ylabel()) == ("training FLOPs C", f"{name} ({unit})")
+        (optima,) = [line for line in ax.get_lines() if line.get_marker() == "o"]
+        assert list(optima.get_xdata()) == BUDGETS
+        assert list(optima.get_ydata()) == pytest.approx([truth(c) for c in BUDGETS], rel=1e-6)
+        (law,) = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+        assert list(law.get_ydata()) == pytest.approx([truth(c) for c in law.get_xdata()], rel=1e-6)
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == [f"{name} ~ C^0.500, R^2 1.000"]
+    assert fig.get_suptitle() == "compute-optimal tokens:params ratio 20.0 at C = 3.2e+18"
+
+
 @pytest.fixture(scope="module")
 def tune_experiment(ray_session, tmp_path_factory):
     """A Tune experiment whose trials report like tune.sweep trials: 6 finished iso-FLOP trials, one
@@ -134,15 +213,12 @@ def tune_experiment(ray_session, tmp_path_factory):
     unfinished = {**specs[1], "name": "cut_short", "cut": True}
     never = {**specs[2], "name": "never_started"}
 
-    def trial_fn(config):
+    def trial_fn(config):  # self-contained: Ray's workers cannot import this test module
         spec = config["trial"]
-        tokens, bpb, fpt = spec["fake"]["tokens"], spec["fake"]["bpb"], spec["plan"]["flops_per_token"]
-        for frac in (0.25, 0.5, 1.0):  # three evals, the last one at the end of the budget
-            if spec.get("fail") and frac == 1.0:
+        for report in spec["reports"]:
+            if spec.get("fail") and report["train_done"]:
                 raise RuntimeError("synthetic failure")
-            done = frac == 1.0 and not spec.get("cut")
-            tune.report({"val_bpb": bpb + 0.3 * (1 - frac), "total_tokens": tokens * frac,
-                         "flops_so_far": tokens * frac * fpt, "train_done": done})
+            tune.report(report)
 
     storage = tmp_path_factory.mktemp("sweeps")
     path = storage / "synthetic"
@@ -150,7 +226,8 @@ def tune_experiment(ray_session, tmp_path_factory):
     (path / SWEEP_SPEC_FILE).write_text(json.dumps({"trials": [*specs, failing, unfinished, never]}))
     tuner = tune.Tuner(
         trial_fn,
-        param_space={"trial": tune.grid_search([*specs, failing, unfinished])},
+        param_space={"trial": tune.grid_search([{**spec, "reports": synthetic_reports(spec)}
+                                                for spec in (*specs, failing, unfinished)])},
         tune_config=tune.TuneConfig(trial_dirname_creator=lambda t: t.config["trial"]["name"]),
         run_config=tune.RunConfig(name="synthetic", storage_path=str(storage), verbose=0),
     )
@@ -201,12 +278,23 @@ def test_report_writes_table_csv_and_plots(tune_experiment, tmp_path, capsys):
     assert "Compute-optimal tokens:params ratio: 20.0" in printed
     assert "N_opt ~ C^0.500" in printed and "no fit quality" in printed  # 2 budgets: exact line
 
+    # the bpb plot draws what the trials reported through Tune (the failed one up to its failure)
+    trials = load_sweep(path)
+    curves = dict(zip([t.name for t in trials], eval_curves(trials), strict=True))
+    drawn = {spec["name"]: (spec["depth"], expected_evals(spec)) for spec in specs}
+    drawn["broken"] = (specs[0]["depth"], expected_evals(specs[0])[:2])
+    drawn["cut_short"] = (specs[1]["depth"], expected_evals(specs[1]))
+    drawn["never_started"] = (specs[2]["depth"], [])
+    assert set(curves) == set(drawn)
+    for name, (depth, evals) in drawn.items():
+        assert curves[name][0] == depth
+        assert np.asarray(curves[name][1]).reshape(-1) == pytest.approx(np.asarray(evals).reshape(-1))
+
     import matplotlib.image
 
-    for name in ("val_bpb_vs_flops.png", "iso_flop.png"):
-        image = matplotlib.image.imread(out / name)
-        assert image.shape[0] > 100 and image.shape[1] > 100
-        assert image[..., :3].std() > 0.05  # not a blank canvas
+    # the PNGs are the figures at their size: 8 x 5.5 and 17 x 5 inches
+    assert matplotlib.image.imread(out / "val_bpb_vs_flops.png").shape[:2] == (5.5 * DPI, 8 * DPI)
+    assert matplotlib.image.imread(out / "iso_flop.png").shape[:2] == (5 * DPI, 17 * DPI)
 
 
 @pytest.mark.ray

@@ -12,7 +12,7 @@ and on a copy of the directory on a laptop without the cluster:
 
 Plots: val bpb against FLOPs spent, one colour per depth (every eval of every trial); and for
 iso-FLOP sweeps the iso-FLOP valleys with their parabola fits and the power laws of the optimal
-model size and token count against compute (tune/fit.py does the numbers).
+model size and token count against compute (tune/fit.py does the numbers, tune/plots.py draws).
 """
 
 import argparse
@@ -29,6 +29,7 @@ import pyarrow.fs as pafs
 from raychat.common import RaychatError, default_storage_path, run_cli
 from raychat.storage import Storage, join_uri, normalize_location
 from tune.fit import ComputeOptimal, compute_optimal
+from tune.plots import EvalCurve, bpb_vs_flops_figure, iso_flop_figure, save_figure
 
 SWEEP_SPEC_FILE = "raychat_sweep.json"  # written by tune.sweep before Tune starts
 TRAIN_RUNS_DIR = "runs"  # the trials' raychat runs, inside the experiment directory
@@ -239,99 +240,21 @@ def format_compute_optimal(result: ComputeOptimal) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; works without a display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _major_labels_only(ax) -> None:
-    """Log axes spanning less than a decade label every minor tick, and the labels collide."""
-    from matplotlib.ticker import NullFormatter
-
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.yaxis.set_minor_formatter(NullFormatter())
+def eval_curves(trials: list[Trial]) -> list[EvalCurve]:
+    """(depth, [(FLOPs so far, val bpb) of each eval]) per trial: what the bpb-vs-FLOPs plot draws."""
+    return [(t.spec["depth"], [(r["flops_so_far"], r["val_bpb"]) for r in t.results
+                               if r.get("val_bpb") is not None and r.get("flops_so_far")]) for t in trials]
 
 
 def plot_bpb_vs_flops(trials: list[Trial], path: Path) -> None:
     """Every eval of every trial: val bpb against FLOPs spent so far, one colour per depth."""
-    plt = _pyplot()
-    depths = sorted({t.spec["depth"] for t in trials})
-    colors = dict(zip(depths, plt.cm.viridis([i / max(1, len(depths) - 1) * 0.9 for i in range(len(depths))]),
-                      strict=True))
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    labelled = set()
-    for t in trials:
-        evals = [(r["flops_so_far"], r["val_bpb"]) for r in t.results
-                 if r.get("val_bpb") is not None and r.get("flops_so_far")]
-        if not evals:
-            continue
-        depth = t.spec["depth"]
-        xs, ys = zip(*evals, strict=True)
-        label = None if depth in labelled else f"d{depth}"
-        labelled.add(depth)
-        ax.plot(xs, ys, "-", color=colors[depth], alpha=0.5, linewidth=1)
-        ax.plot(xs[-1:], ys[-1:], "o", color=colors[depth], markersize=7, label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("training FLOPs")
-    ax.set_ylabel("validation bits per byte")
-    ax.set_title("val bpb vs compute (lines: evals during training; dots: last eval)")
-    ax.grid(True, which="both", alpha=0.3)
-    _major_labels_only(ax)
-    if labelled:
-        ax.legend(title="depth")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(bpb_vs_flops_figure(eval_curves(trials)), path)
 
 
 def plot_iso_flop(points: list[tuple[float, float, float, float]], result: ComputeOptimal,
                   path: Path) -> None:
     """Iso-FLOP valleys with their parabolas, then N_opt and D_opt against compute with the power laws."""
-    import numpy as np
-
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    budgets = [o.flops for o in result.optima]
-    colors = plt.cm.plasma([i / max(1, len(budgets) - 1) * 0.85 for i in range(len(budgets))])
-    ax = axes[0]
-    for o, color in zip(result.optima, colors, strict=True):
-        pts = sorted((n, bpb) for c, n, _, bpb in points if c == o.flops)
-        ns, bpbs = zip(*pts, strict=True)
-        ax.plot(ns, bpbs, "o", color=color, label=f"{o.flops:.2g}")
-        if o.coeffs is not None:
-            lo, hi = math.log(min(*ns, o.params)) - 0.2, math.log(max(*ns, o.params)) + 0.2
-            x = np.linspace(lo, hi, 100)
-            ax.plot(np.exp(x), np.polyval(o.coeffs, x), "--", color=color)
-        ax.plot([o.params], [o.val_bpb], "*", color=color, markersize=16, markeredgecolor="black")
-    ax.set_xscale("log")
-    ax.set_xlabel("scaling parameters N")
-    ax.set_ylabel("final val bpb")
-    ax.set_title("iso-FLOP valleys (stars: optimum per budget)")
-    ax.legend(title="FLOPs")
-    for ax, attr, law, name in ((axes[1], "params", result.params_law, "N_opt"),
-                                (axes[2], "tokens", result.tokens_law, "D_opt")):
-        ax.loglog(budgets, [getattr(o, attr) for o in result.optima], "o", markersize=9)
-        if law is not None:
-            c = np.logspace(math.log10(min(budgets)) - 0.3, math.log10(max(budgets)) + 0.3, 50)
-            r2 = "" if law.r2 is None else f", R^2 {law.r2:.3f}"
-            ax.loglog(c, law(c), "r--", label=f"{name} ~ C^{law.exponent:.3f}{r2}")
-            ax.legend()
-        ax.set_xlabel("training FLOPs C")
-        ax.set_ylabel(f"{name} ({'parameters' if attr == 'params' else 'tokens'})")
-        ax.set_title(f"compute-optimal {'model size' if attr == 'params' else 'training tokens'}")
-    for ax in axes:
-        ax.grid(True, which="both", alpha=0.3)
-        _major_labels_only(ax)
-    if result.ratio_at_reference is not None:
-        fig.suptitle(f"compute-optimal tokens:params ratio {result.ratio_at_reference:.1f} "
-                     f"at C = {result.reference_flops:.2g}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(iso_flop_figure(points, result), path)
 
 
 def write_report(path: str, out: str, log=print) -> list[dict[str, Any]]:
