@@ -49,7 +49,9 @@ class TrainConfig:
     warmdown_ratio: float = _flag(0.65, "fraction of steps spent in the final linear warmdown",
                                   "optimization")
     final_lr_frac: float = _flag(0.05, "learning rate at the end, as a fraction of the peak", "optimization")
-    seed: int = _flag(42, "seed for weight init and the optional corpus shuffle", "optimization")
+    seed: int = _flag(42, "seed for weight init", "optimization")
+    shuffle_seed: int = _flag(-1, "shuffle the order of the corpus's row groups in each epoch with this seed "
+                              "(-1 = corpus order, as nanochat reads it)", "data")
     compile: str = _flag("auto", "torch.compile the model: auto (on for CUDA, off on CPU), on, off",
                          "optimization", choices=("auto", "on", "off"))
     # --- evaluation and output ---

@@ -16,11 +16,18 @@ Ray Data dataset tokenizes to its end as fast as the CPUs allow, so the first on
 steady state a pipeline restart comes only every 64 reads. (An object-store cap on Ray Data's
 run-ahead would do the same but made its executor spin at a full core while capped.)
 
-Validation reads the val split through the same path: its documents are dealt round-robin to the
-ranks (a small split still feeds every rank), packed the same way, from the start on every call.
+Resources: the read/tokenize tasks ask Ray for no CPU of their own and prefer the rank's own node.
+A task that needs a free logical CPU waits behind the cluster's other work, and after a node loss
+or on a tightly packed cluster that can be forever (the training workers hold their CPUs while they
+wait for data). Zero-CPU tasks always schedule; the cores they run on are the rank's own node's,
+which `--cpus-per-worker` reserves. If no data arrives for DATA_TIMEOUT_S anyway, the rank fails
+with an error, and Ray restarts the attempt from the latest checkpoint instead of hanging.
+
+Validation reads the val split through the same path, packed the same way, from the start.
 """
 
 import contextlib
+import os
 import queue
 import re
 import sys
@@ -57,7 +64,8 @@ MAX_DATASET_READS = 64    # (a dataset runs ahead to its end; a new one costs a 
 READS_AHEAD = 4           # tokenized reads queued in this process ahead of the packer
 WARM_START_DOCS = 2048    # documents tokenized in this process before Ray Data takes over,
 WARM_START_READS = 2      # in at most this many reads (a read runs single-threaded either way)
-WAIT_WARNING_S = 120      # say so when the packer has waited this long for a read
+WAIT_WARNING_S = 60       # say so when the packer has waited this long for a read
+DATA_TIMEOUT_S = float(os.environ.get("RAYCHAT_DATA_TIMEOUT_S", "600"))  # then fail the attempt
 
 
 def _tokenize_reads(reads: Iterable[tuple[int, Unit, list[int] | None]], tokenizer_dir: str) -> pa.Table:
@@ -113,7 +121,7 @@ class SourceReader:
     """
 
     def __init__(self, source: Callable[[int], Source], units: list[Unit], tokenizer_dir: str,
-                 num_cpus: float = 1.0):
+                 num_cpus: float = 0.0):
         self._source = source
         self._units = units
         self._tokenizer_dir = str(tokenizer_dir)
@@ -135,7 +143,9 @@ class SourceReader:
         return {"k": k, **asdict(unit), "whole": rows is None, "rows": rows or []}
 
     def _dataset(self, first: int, size: int):
+        import ray
         import ray.data
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         items = [self._item(k) for k in range(first, first + size)]
         ds = ray.data.from_items(items, override_num_blocks=len(items))
@@ -143,8 +153,10 @@ class SourceReader:
         context.execution_options.preserve_order = True
         context.enable_progress_bars = False
         context.print_on_execution_start = False
+        local = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         return ds.map_batches(_read_and_tokenize, fn_kwargs={"tokenizer_dir": self._tokenizer_dir},
-                              batch_size=1, num_cpus=self._num_cpus, batch_format="numpy")
+                              batch_size=1, num_cpus=self._num_cpus, batch_format="numpy",
+                              scheduling_strategy=local)
 
     def _put(self, item) -> None:
         while not self._stop.is_set():
@@ -200,8 +212,13 @@ class SourceReader:
                 break
             except queue.Empty:
                 waited += WAIT_WARNING_S
-                print(f"raychat loader: waited {waited}s for Ray Data to read and tokenize; does the cluster "
-                      "have free CPUs for its tasks?", file=sys.stderr, flush=True)
+                if waited >= DATA_TIMEOUT_S:
+                    # Not a RaychatError: a plain failure, which Ray answers by restarting the attempt.
+                    limit = f"RAYCHAT_DATA_TIMEOUT_S={DATA_TIMEOUT_S:.0f}"
+                    raise TimeoutError(f"raychat loader: no data for {waited}s ({limit}); failing the "
+                                       "attempt for Ray to restart") from None
+                print(f"raychat loader: waited {waited}s for Ray Data to read and tokenize "
+                      f"(failing the attempt at {DATA_TIMEOUT_S:.0f}s)", file=sys.stderr, flush=True)
         if isinstance(item, BaseException):
             if isinstance(item, RaychatError):   # from this process's warm start: one line already
                 raise item
@@ -239,7 +256,7 @@ class TrainLoader:
 
     def __init__(self, index: CorpusIndex, tokenizer_dir: str, seq_len: int, rank: int, world_size: int,
                  cursor: dict | None = None, shuffle_seed: int | None = None, buffer_size: int = 1000,
-                 num_cpus: float = 1.0, record_consumed: bool = True):
+                 num_cpus: float = 0.0, record_consumed: bool = True):
         self.index = index
         self.seq_len = seq_len
         Tokenizer.load(tokenizer_dir)   # a missing tokenizer fails here, in one line, not inside Ray Data

@@ -30,6 +30,7 @@ from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.corpus_budget import corpus_budget_lines
 from raychat.corpus_check import validate_corpus
 from raychat.default_corpus import prepare_default_corpus
+from raychat.elastic import PlannedResizeSave, start_coordinator
 from raychat.resume import driver_choice
 from raychat.scaling import format_plan, resolve_plan
 from raychat.stop_note import clear_stop_note, read_stop_note
@@ -110,6 +111,9 @@ def check_resumable(cfg: TrainConfig, paths: RunPaths, tokenizer: Tokenizer, log
 def build_trainer(cfg: TrainConfig, *, resume_from: Storage | None = None,
                   run_config_overrides: dict | None = None, callbacks: list | None = None) -> TorchTrainer:
     """The TorchTrainer for one raychat run (used by the CLI and by every tune.sweep trial)."""
+    # The dashboard's Train view (runs, attempts, workers) needs Ray Train's state tracking, which
+    # is off by default in Ray 2.60 and read here, where the trainer is built.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     paths = RunPaths.resolve(cfg)
     min_workers, max_workers = cfg.worker_range()
     gpus = cfg.gpus_per_worker
@@ -119,11 +123,19 @@ def build_trainer(cfg: TrainConfig, *, resume_from: Storage | None = None,
     resources = {"CPU": cpus}
     if gpus > 0:
         resources["GPU"] = gpus
+    elastic = min_workers != max_workers
     scaling = ScalingConfig(
-        num_workers=max_workers if min_workers == max_workers else (min_workers, max_workers),
+        num_workers=(min_workers, max_workers) if elastic else max_workers,
         use_gpu=gpus > 0,
         resources_per_worker=resources,
+        placement_strategy=cfg.placement_strategy,
+        elastic_resize_monitor_interval_s=cfg.resize_check_every,
     )
+    # A new id per driver run: checkpoints carry it, so a restarted worker group resumes from what
+    # this run wrote, and a new run from the driver's choice. The coordinator lives as long as we do.
+    session = uuid.uuid4().hex
+    start_coordinator(session)
+    callbacks = [*(callbacks or []), *([PlannedResizeSave(session)] if elastic else [])]
     run_kwargs = dict(
         name=cfg.name,
         storage_path=paths.storage_path,
@@ -138,9 +150,7 @@ def build_trainer(cfg: TrainConfig, *, resume_from: Storage | None = None,
             "data_dir": paths.data_dir,
             "tokenizer_dir": paths.tokenizer_dir,
             "storage_path": paths.storage_path,
-            # A new id per driver run: checkpoints carry it, so a restarted worker group resumes from
-            # what this run wrote, and a new run from the driver's choice.
-            "session": uuid.uuid4().hex,
+            "session": session,
             "resume_from": resume_from.name if resume_from is not None else None,
         },
         scaling_config=scaling,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import raychat
 from raychat.config import TrainConfig
 from raychat.corpus_index import CorpusIndex, read_corpus_meta
+from raychat.elastic import coordinator_name, describe_attempt
 from raychat.evaluate import SAMPLE_PROMPTS, evaluate_bpb
 from raychat.flops import mfu as compute_mfu
 from raychat.flops import peak_flops
@@ -54,6 +55,8 @@ from raychat.stop_note import write_stop_note
 from raychat.storage import Storage
 from raychat.tokenizer import Tokenizer, check_vocab
 
+PLANNED_RESIZE_WAIT_S = 120.0  # after a planned-resize save, how long to wait for Ray to restart the group
+
 
 @dataclass
 class LoopState:
@@ -63,6 +66,9 @@ class LoopState:
     smooth_train_loss: float = 0.0
     total_training_time: float = 0.0
     val_bpb: float | None = None
+    restarts: int = 0  # worker-group restarts after failures
+    resizes: int = 0  # planned resizes (the group grew or shrank with nothing lost)
+    redone_steps: int = 0  # steps trained again after restarts (work lost since the last checkpoint)
 
 
 @dataclass
@@ -93,6 +99,12 @@ class Worker:
     wandb: WandbLogger | None = None
     trace_dir: str | None = None
     attempt: str = ""
+    coordinator: Any = None  # rank 0: the run's elastic Coordinator actor
+    save_request: Any = None  # rank 0: a pending Coordinator.poll_request() reply
+    val_rows: torch.Tensor | None = None  # this rank's share of the fixed validation rows
+    preempt_saved: bool = False
+    resize_requested: bool = False
+    preempt_requested: bool = False
 
     @property
     def master(self) -> bool:
@@ -147,6 +159,7 @@ def setup(config: dict) -> Worker:
     def start_loader(meta: dict | None) -> TrainLoader:
         cursor = meta["cursor"] if meta else None
         return TrainLoader(index, config["tokenizer_dir"], cfg.max_seq_len, rank, world_size, cursor=cursor,
+                           shuffle_seed=cfg.shuffle_seed if cfg.shuffle_seed >= 0 else None,
                            record_consumed=bool(trace_dir))
 
     if restore.meta is not None:
@@ -179,6 +192,15 @@ def setup(config: dict) -> Worker:
         step, loop = restore.meta["step"], LoopState(**restore.meta["loop_state"])
         log(f"Resumed from {restore.checkpoint} at step {step} "
             f"(saved by {restore.meta['world_size']} workers, now {world_size})")
+    coordinator = ray.get_actor(coordinator_name(config["session"])) if master else None
+    if coordinator is not None:
+        previous = ray.get(coordinator.start_attempt.remote(step, world_size))
+        start = describe_attempt(previous, step, world_size, restore.checkpoint.name if state else None)
+        if start.line:
+            log(start.line)
+        loop.restarts += start.kind == "failure"
+        loop.resizes += start.kind == "planned"
+        loop.redone_steps += start.redone_steps
 
     micro_slices, offset = [], 0
     for size in micro_batch_sizes(rank_rows(plan.rows_per_step, world_size, rank), cfg.device_batch_size):
@@ -195,7 +217,7 @@ def setup(config: dict) -> Worker:
         corpus_meta=read_corpus_meta(config["data_dir"]),
         saver=CheckpointSaver(run, cfg.keep_checkpoints, enabled=master, log=log),
         step=step, loop=loop, micro_slices=micro_slices, peak_flops=peak, trace_dir=trace_dir,
-        ray_metrics=RayMetrics(run_name=cfg.name) if master else None,
+        ray_metrics=RayMetrics(run_name=cfg.name) if master else None, coordinator=coordinator,
         wandb=WandbLogger(cfg.run, config=cfg.to_dict()) if master else None,
     )
     # One id per start of the worker group (rank 0's), so a trace can tell redone steps apart.
@@ -205,15 +227,29 @@ def setup(config: dict) -> Worker:
     return worker
 
 
+def validation_rows(w: Worker) -> torch.Tensor:
+    """This rank's share of the run's fixed validation rows: the first --eval-tokens of the val split
+    packed as by one worker, row i evaluated by rank i % W. The same rows and so the same bpb for
+    the same weights at any world size; packed once per attempt, then reused at every evaluation."""
+    num_rows = max(w.world_size, w.cfg.eval_tokens // w.cfg.max_seq_len)
+    batches = val_loader(w.index, w.tokenizer_dir, w.cfg.max_seq_len, w.cfg.device_batch_size, 0, 1)
+    rows: list[torch.Tensor] = []
+    for x, y in batches:
+        rows.extend(torch.cat([x, y[:, -1:]], dim=1))
+        if len(rows) >= num_rows:
+            break
+    batches.close()
+    return torch.stack(rows[w.rank:num_rows:w.world_size])
+
+
 def evaluate(w: Worker) -> float:
     """Validation bpb over --eval-tokens (all ranks), logged like nanochat."""
+    if w.val_rows is None:
+        w.val_rows = validation_rows(w)
     rows = w.cfg.device_batch_size
-    num_batches = max(1, w.cfg.eval_tokens // (rows * w.cfg.max_seq_len * w.world_size))
+    batches = ((chunk[:, :-1], chunk[:, 1:]) for chunk in w.val_rows.split(rows))
     w.model.eval()
-    batches = val_loader(w.index, w.tokenizer_dir, w.cfg.max_seq_len, rows, w.rank, w.world_size)
-    limited = (b for _, b in zip(range(num_batches), batches, strict=False))
-    bpb = evaluate_bpb(w.model, limited, w.tokenizer.token_bytes(), w.device)
-    batches.close()  # stops the val reader thread until the next evaluation
+    bpb = evaluate_bpb(w.model, batches, w.tokenizer.token_bytes(), w.device)
     w.model.train()
     w.loop.val_bpb = bpb
     w.loop.min_val_bpb = min(w.loop.min_val_bpb, bpb)
@@ -274,10 +310,56 @@ def train_step(w: Worker) -> tuple[float, float, float, float]:
             group["weight_decay"] = weight_decay
     w.optimizer.step()
     w.model.zero_grad(set_to_none=True)
+    # The step's one collective and host sync carries, besides the loss, whether any rank was asked
+    # to save now: rank 0 for a planned resize, any rank whose node got a preemption notice.
+    flags = torch.tensor([_resize_requested(w), _preemption_noticed(w)], dtype=torch.float32)
+    stats = torch.cat([loss_sum.reshape(1), flags.to(w.device)])
     if w.world_size > 1:
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-    train_loss = loss_sum.item() * inv_global_tokens  # the one host sync of the step
-    return train_loss, lrm, time.perf_counter() - t0, data_wait
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+    loss_total, resize, preempt = stats.tolist()
+    w.resize_requested, w.preempt_requested = resize > 0, preempt > 0
+    return loss_total * inv_global_tokens, lrm, time.perf_counter() - t0, data_wait
+
+
+def _resize_requested(w: Worker) -> float:
+    """Rank 0: has the controller asked for a save before a planned resize? (never blocks)"""
+    if w.coordinator is None:
+        return 0.0
+    if w.save_request is None:
+        w.save_request = w.coordinator.poll_request.remote()
+    ready, _ = ray.wait([w.save_request], timeout=0)
+    if not ready:
+        return 0.0
+    requested, w.save_request = ray.get(ready[0]), None
+    return float(requested)
+
+
+def _preemption_noticed(w: Worker) -> float:
+    """Has Ray marked this worker's node as draining (a spot reclaim)? Read from the worker's own
+    context: the public ray.train.get_preemption_info() is a barrier across workers, too costly per
+    step (ray/train/v2/_internal/execution/train_fn_utils.py, get_preemption_info)."""
+    if w.preempt_saved:
+        return 0.0
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    context = getattr(get_train_context(), "preemption_context", None)
+    return float(getattr(context, "preemption_info", None) is not None)
+
+
+def save_on_request(w: Worker) -> None:
+    """A planned resize or a preemption notice: checkpoint this step now (synchronously), so the
+    restarted group loses nothing. Before a resize, wait to be stopped instead of training on."""
+    save(w, wait=True)
+    if w.preempt_requested:
+        w.preempt_saved = True
+        w.log(f"Preemption notice: saved step {w.step}")
+    if w.resize_requested:
+        if w.coordinator is not None:
+            ray.get(w.coordinator.saved.remote(w.step))
+        w.log(f"Planned resize: saved step {w.step}, waiting for the new worker group")
+        deadline = time.monotonic() + PLANNED_RESIZE_WAIT_S
+        while time.monotonic() < deadline:  # Ray stops this group; if it does not, train on
+            time.sleep(0.5)
 
 
 def log_step(w: Worker, train_loss: float, lrm: float, dt: float, data_wait: float) -> None:
@@ -303,7 +385,8 @@ def report(w: Worker, metrics: dict, last_step: bool) -> None:
     metrics.update(step=w.step, world_size=w.world_size, total_tokens=w.step * w.plan.total_batch_size,
                    flops_so_far=w.step * w.plan.total_batch_size * w.plan.flops_per_token,
                    min_val_bpb=w.loop.min_val_bpb, total_training_time=w.loop.total_training_time,
-                   checkpoint_step=w.saver.latest_step, train_done=last_step)
+                   checkpoint_step=w.saver.latest_step, train_done=last_step, restarts=w.loop.restarts,
+                   resizes=w.loop.resizes, redone_steps=w.loop.redone_steps)
     if last_step:
         usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
         on_cuda = w.device.type == "cuda"
@@ -357,6 +440,8 @@ def train_loop_per_worker(config: dict) -> None:
                 write_stop_note(w.storage_path, cfg.name, {"reason": "nan", "step": w.step})
             break
         log_step(w, train_loss, lrm, dt, data_wait)
+        if w.coordinator is not None:
+            w.coordinator.progress.remote(w.step)  # fire and forget: what a restart will have redone
 
         # nanochat's GC handling: the collector scans often and finds little; freeze after setup.
         if w.step == first_step:
@@ -366,6 +451,8 @@ def train_loop_per_worker(config: dict) -> None:
         elif w.step % 5000 == 0:
             gc.collect()
         w.step += 1
+        if (w.resize_requested or w.preempt_requested) and w.step < num_iterations:
+            save_on_request(w)
 
     w.saver.close()
     w.loader.close()
