@@ -65,9 +65,13 @@ def coordinator_name(session: str) -> str:
     return f"raychat-coordinator-{session}"
 
 
+_LIVE: dict[str, "ray.actor.ActorHandle"] = {}  # Ray ends an actor when its last handle is dropped
+
+
 def start_coordinator(session: str) -> "ray.actor.ActorHandle":
-    """Create the run's coordinator (owned by the calling driver: it ends with the run)."""
-    return Coordinator.options(name=coordinator_name(session), num_cpus=0).remote()
+    """Create the run's coordinator (owned by the calling driver: it ends with the driver)."""
+    _LIVE[session] = Coordinator.options(name=coordinator_name(session), num_cpus=0).remote()
+    return _LIVE[session]
 
 
 class PlannedResizeSave(ControllerCallback):

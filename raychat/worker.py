@@ -182,6 +182,7 @@ def setup(config: dict) -> Worker:
     )
     step, loop = 0, LoopState()
     state = restore.load(device)
+    resumed_from = restore.checkpoint.name if state is not None else None
     if state is not None:
         if restore.meta is not first_meta:  # fell back to an older checkpoint: its cursor, not the other's
             loader.close()
@@ -195,7 +196,7 @@ def setup(config: dict) -> Worker:
     coordinator = ray.get_actor(coordinator_name(config["session"])) if master else None
     if coordinator is not None:
         previous = ray.get(coordinator.start_attempt.remote(step, world_size))
-        start = describe_attempt(previous, step, world_size, restore.checkpoint.name if state else None)
+        start = describe_attempt(previous, step, world_size, resumed_from)
         if start.line:
             log(start.line)
         loop.restarts += start.kind == "failure"
