@@ -11,9 +11,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from test_cluster import pyproject_ray_pin
 
 from raychat.config import add_config_flags, config_from_args
-from test_cluster import pyproject_ray_pin
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBERAY = ROOT / "cluster" / "kuberay"
@@ -78,8 +78,8 @@ def test_validation_rejects_broken_manifests():
     no_group_name = copy.deepcopy(cluster)
     del no_group_name["spec"]["workerGroupSpecs"][0]["groupName"]  # required
     bad_quantity = copy.deepcopy(cluster)
-    bad_quantity["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] \
-        = "32 gigs"  # not a Kubernetes quantity
+    head_container = bad_quantity["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head_container["resources"]["limits"]["memory"] = "32 gigs"  # not a Kubernetes quantity
     for broken in (misspelt, wrong_type, bad_mode, no_group_name, bad_quantity):
         with pytest.raises(jsonschema.ValidationError):
             check.validate(broken)
@@ -129,7 +129,8 @@ def test_runs_the_pinned_ray():
     for container in containers(cluster_pods(cluster)):
         assert container["image"].rsplit(":", 1)[1].startswith(f"{version}-py311"), container["image"]
     dockerfile = (KUBERAY / "Dockerfile").read_text().splitlines()
-    assert [line for line in dockerfile if line.startswith("FROM ")] == [f"FROM rayproject/ray:{version}-py311-gpu"]
+    froms = [line for line in dockerfile if line.startswith("FROM ")]
+    assert froms == [f"FROM rayproject/ray:{version}-py311-gpu"]
 
 
 def test_token_auth_on_and_dashboard_not_exposed():
