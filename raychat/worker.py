@@ -34,6 +34,7 @@ from raychat.checkpoint import (
 )
 from raychat.common import RaychatError
 from raychat.config import TrainConfig
+from raychat.console import log_line
 from raychat.corpus import CorpusIndex
 from raychat.evaluate import SAMPLE_PROMPTS, evaluate_bpb
 from raychat.flops import mfu as compute_mfu
@@ -143,7 +144,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     def log(message: str) -> None:
         if master:
-            print(message, flush=True)
+            log_line(message)
 
     tokenizer = Tokenizer.load(tokenizer_dir)
     token_bytes = tokenizer.token_bytes()
