@@ -27,11 +27,13 @@ from raychat.common import (
     run_cli,
 )
 from raychat.config import TrainConfig, add_config_flags, config_from_args
+from raychat.console import install_driver_printer, plain_when_redirected
 from raychat.corpus_budget import corpus_budget_lines
 from raychat.corpus_check import validate_corpus
 from raychat.default_corpus import prepare_default_corpus
 from raychat.elastic import PlannedResizeSave, start_coordinator
 from raychat.resume import driver_choice
+from raychat.runtime_env import worker_runtime_env
 from raychat.scaling import format_plan, resolve_plan
 from raychat.stop_note import clear_stop_note, read_stop_note
 from raychat.storage import Storage, normalize_location
@@ -60,22 +62,22 @@ class RunPaths:
 
 def connect_ray(num_workers: int) -> None:
     """Join the cluster named by RAY_ADDRESS (set by `ray job submit`), else start a local one."""
+    plain_when_redirected()
     if ray.is_initialized():
+        install_driver_printer()
         return
-    # Workers are started by the cluster's raylets, not by this process: pass our settings along.
-    env = {k: v for k, v in os.environ.items() if k.startswith(("RAYCHAT_", "WANDB_"))}
-    # Ray Train's print patch copies every worker print into its logger as well, and where stdout
-    # has been wrapped (wandb, Ray Data progress) the step lines then reach the driver twice.
-    env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-    runtime_env = {"env_vars": env}
+    # Workers are started by the cluster's raylets, not by this process: pass our settings along
+    # (never credentials: Ray shows the runtime env in its job list).
+    runtime_env = worker_runtime_env(os.environ)
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=runtime_env, log_to_driver=True)
-        return
-    # Logical CPUs: one per worker plus room for Ray Data's read/tokenize tasks; threads are
-    # sized by the workers themselves.
-    cpus = max(os.cpu_count() or 1, num_workers) + 2
-    ray.init(num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
-             runtime_env=runtime_env)
+    else:
+        # Logical CPUs: one per worker plus room for Ray Data's read/tokenize tasks; threads are
+        # sized by the workers themselves.
+        cpus = max(os.cpu_count() or 1, num_workers) + 2
+        ray.init(num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
+                 runtime_env=runtime_env)
+    install_driver_printer()
 
 
 def prepare_inputs(cfg: TrainConfig, paths: RunPaths, log=print) -> Tokenizer:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import raychat
 from raychat.config import TrainConfig
+from raychat.console import log_line
 from raychat.corpus_index import CorpusIndex, read_corpus_meta
 from raychat.elastic import coordinator_name, describe_attempt
 from raychat.evaluate import SAMPLE_PROMPTS, evaluate_bpb
@@ -112,7 +113,7 @@ class Worker:
 
     def log(self, message: str) -> None:
         if self.master:
-            print(message, flush=True)
+            log_line(message)
 
 
 def _all_gather_objects(obj: Any, world_size: int) -> list[Any]:
@@ -142,7 +143,7 @@ def setup(config: dict) -> Worker:
 
     def log(message: str) -> None:
         if master:
-            print(message, flush=True)
+            log_line(message)
 
     tokenizer = Tokenizer.load(config["tokenizer_dir"])
     plan = resolve_plan(cfg, tokenizer.vocab_size, world_size)

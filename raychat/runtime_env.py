@@ -1,0 +1,29 @@
+"""The environment the driver hands to Ray workers, without credentials.
+
+Workers are started by each node's raylet, not by the driver, so settings the driver was given
+(RAYCHAT_*, WANDB_*) travel in Ray's runtime environment. Ray stores that in the job's metadata and
+shows it to anyone who can read the job list or the dashboard (`ray job list`, the Jobs page), so
+credentials stay out of it: a node's wandb reads its key from that node's own environment (a
+Kubernetes Secret in cluster/kuberay/, the raylet's environment under `ray up`) or ~/.netrc, and a
+local Ray started by the driver inherits the driver's environment anyway.
+"""
+
+import re
+from collections.abc import Mapping
+
+FORWARDED_PREFIXES = ("RAYCHAT_", "WANDB_")
+# Matched anywhere in the name: WANDB_API_KEY, *_TOKEN, *_SECRET, *_PASSWORD and their variants.
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+
+
+def is_secret_name(name: str) -> bool:
+    return SECRET_NAME.search(name) is not None
+
+
+def worker_runtime_env(environ: Mapping[str, str]) -> dict:
+    """Ray runtime_env for the workers: the non-secret raychat and wandb settings of `environ`."""
+    env = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) and not is_secret_name(k)}
+    # Ray Train's print patch copies every worker print into its logger as well, and where stdout
+    # has been wrapped (wandb, Ray Data progress) the step lines then reach the driver twice.
+    env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
+    return {"env_vars": env}

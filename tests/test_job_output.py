@@ -1,0 +1,115 @@
+"""What a run shows its users: log lines that read like nanochat's (no Ray prefix, no colour codes
+when redirected), and no secret in what Ray stores and shows (`ray job list`, the job's logs)."""
+
+import functools
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from ray._private.worker import print_to_stdstream
+from ray.job_submission import JobStatus, JobSubmissionClient
+from test_train import STEP_LINE, VAL_LINE, run_train, tiny_flags
+
+from raychat.console import MARK, log_line, print_batch
+from raychat.runtime_env import worker_runtime_env
+
+RUN = ["--num-workers", "1", "--total-batch-size", "256", "--num-iterations", "6", "--eval-every", "3"]
+ESCAPE = "\x1b["
+TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+
+
+def ray_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+    return subprocess.run([ray_bin, *args], capture_output=True, text=True, timeout=timeout, check=True)
+
+
+def test_runtime_env_keeps_settings_and_drops_secrets():
+    environ = {
+        "WANDB_API_KEY": "k", "WANDB_PROJECT": "p", "WANDB_ENTITY": "e", "WANDB_MODE": "offline",
+        "WANDB_DIR": "/w", "RAYCHAT_HOME": "/h", "RAYCHAT_HF_TOKEN": "t", "WANDB_PASSWORD": "x",
+        "wandb_secret_thing": "s", "HOME": "/root", "AWS_SECRET_ACCESS_KEY": "a",
+    }
+    assert worker_runtime_env(environ) == {"env_vars": {
+        "WANDB_PROJECT": "p", "WANDB_ENTITY": "e", "WANDB_MODE": "offline", "WANDB_DIR": "/w",
+        "RAYCHAT_HOME": "/h", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
+
+
+def test_marked_lines_bare_others_keep_rays_prefix(capsys, monkeypatch):
+    """A forwarded batch as Ray's log monitor publishes it, printed through Ray's own printer."""
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "0")
+    log_line("step 00001/00002 (50.00%) | loss: 1.0\nsecond line of a sample")
+    marked = capsys.readouterr().out.splitlines()
+    assert marked == [MARK + "step 00001/00002 (50.00%) | loss: 1.0", MARK + "second line of a sample"]
+    batch = {"ip": "10.0.0.1", "localhost": "10.0.0.1", "pid": 4242, "is_err": False,
+             "actor_name": "RayTrainWorker", "task_name": None,
+             "lines": [marked[0], "UserWarning: something", marked[1]]}
+    print_batch(functools.partial(print_to_stdstream, ignore_prefix=False), batch)
+    assert capsys.readouterr().out.splitlines() == [
+        "step 00001/00002 (50.00%) | loss: 1.0",
+        "(RayTrainWorker pid=4242) UserWarning: something",
+        "second line of a sample",
+    ]
+
+
+@pytest.fixture(scope="module")
+def secret_run(ray_session, tiny_corpus, tmp_path_factory):
+    """One tiny run whose driver has a wandb key (and a non-secret wandb setting) in its env."""
+    secret, project = f"secret-{uuid.uuid4().hex}", f"project-{uuid.uuid4().hex}"
+    storage = tmp_path_factory.mktemp("job_output")
+    result = run_train(ray_session, tiny_flags(tiny_corpus, storage, "out", *RUN),
+                       WANDB_API_KEY=secret, WANDB_PROJECT=project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, secret, project
+
+
+@pytest.mark.ray
+def test_redirected_run_reads_like_nanochat(secret_run):
+    result, _, _ = secret_run
+    out = result.stdout
+    assert ESCAPE not in out and ESCAPE not in result.stderr
+    assert MARK not in out
+    lines = out.splitlines()
+    steps = [line for line in lines if line.startswith("step")]  # grep '^step'
+    assert len(steps) == 6 and all(STEP_LINE.fullmatch(line) for line in steps), steps
+    vals = [line for line in lines if line.startswith("Step")]
+    # nanochat evaluates at step 0 too
+    assert [VAL_LINE.fullmatch(line).group(1) for line in vals] == ["00000", "00003", "00006"]
+    assert not any("RayTrainWorker" in line for line in lines if "step " in line or "Validation" in line)
+    assert any(line.startswith("Training done.") for line in lines)
+
+
+@pytest.mark.ray
+def test_secret_not_in_job_list_or_logs(ray_session, secret_run):
+    result, secret, project = secret_run
+    listed = ray_cli("job", "list", "--address", ray_session.dashboard_url).stdout
+    assert project in listed  # the run's runtime env is there, with its non-secret wandb settings
+    assert secret not in listed
+    assert secret not in result.stdout + result.stderr
+    logs = [p for p in Path(ray_session.temp_dir).rglob("*") if p.is_file() and "logs" in p.parts]
+    assert logs
+    leaks = [p for p in logs if secret.encode() in p.read_bytes()]
+    assert leaks == []
+
+
+@pytest.mark.ray
+def test_ray_job_logs_read_like_nanochat(ray_session, tiny_corpus, tmp_path):
+    flags = tiny_flags(tiny_corpus, tmp_path, "submitted", *RUN)
+    submitted = ray_cli("job", "submit", "--address", ray_session.dashboard_url, "--no-wait", "--",
+                        sys.executable, "-m", "raychat.train", *flags)
+    job_id = re.search(r"raysubmit_\w+", submitted.stdout + submitted.stderr).group(0)
+    client = JobSubmissionClient(ray_session.dashboard_url)
+    deadline = time.time() + 400
+    while client.get_job_status(job_id) not in TERMINAL and time.time() < deadline:
+        time.sleep(2)
+    # The CLI colours its own header line unless told not to; the job's log is what follows it.
+    address = ray_session.dashboard_url
+    logs = ray_cli("job", "logs", "--log-color", "false", "--address", address, job_id).stdout
+    assert client.get_job_status(job_id) == JobStatus.SUCCEEDED, logs[-3000:]
+    assert ESCAPE not in logs and MARK not in logs
+    steps = [line for line in logs.splitlines() if line.startswith("step")]
+    assert len(steps) == 6 and all(STEP_LINE.fullmatch(line) for line in steps), steps
