@@ -227,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  tokens trained  : {metrics.get('total_tokens', 0):,}")
     print(f"  training time   : {metrics.get('total_training_time', 0.0) / 60:.2f}m "
           f"(wall {(time.time() - t0) / 60:.2f}m)")
+    if metrics.get("restarts") or metrics.get("resizes"):
+        redone = metrics.get("redone_steps", 0)
+        print(f"  restarts        : {metrics.get('restarts', 0)} ({redone} steps redone), "
+              f"planned resizes: {metrics.get('resizes', 0)}")
     if metrics.get("peak_memory_mib"):
         print(f"  peak memory     : {metrics['peak_memory_mib']:,.0f} MiB (rank 0)")
     final = latest_valid_checkpoint(paths.run(cfg.name), deep=False)
