@@ -11,7 +11,7 @@ local Ray started by the driver inherits the driver's environment anyway.
 import re
 from collections.abc import Mapping
 
-FORWARDED_PREFIXES = ("RAYCHAT_", "WANDB_")
+FORWARDED_PREFIXES = ("RAYCHAT_", "WANDB_", "RAY_TRAIN_")  # RAY_TRAIN_*: read by the Train controller
 # Matched anywhere in the name: WANDB_API_KEY, *_TOKEN, *_SECRET, *_PASSWORD and their variants.
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
 

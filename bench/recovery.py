@@ -1,0 +1,141 @@
+"""How fast an elastic run recovers on a real multi-node Ray cluster, with Ray's defaults and with the
+settings the README recommends.
+
+A `ray.cluster_utils.Cluster` on this machine (a head without CPUs and two 1-CPU worker nodes, each
+its own raylet and object store) runs `python -m raychat.train --num-workers 1:2` on a tiny model. At
+step 20 one node is killed without notice (`remove_node(allow_graceful=False)`, a spot reclaim);
+after 10 steps on one worker it is added back. From the driver's output, timestamped as it arrives:
+
+  loss -> step    seconds from the node's death to the next step line (the run shrank to 1)
+  back -> grown   seconds from the node's return to the first step at 2 workers
+  redone          steps trained again after the shrink / after the grow (the grow saves first: 0)
+
+    python -m bench.recovery                      # both settings, ~5-8 minutes on 2 cores
+    python -m bench.recovery --settings default
+
+"recommended" = GCS health checks every 1 s, a node dead after 3 missed ones
+(`health_check_period_ms`, `health_check_failure_threshold`), and
+RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=15 (Ray Train gives up restarting at the old size sooner).
+"""
+
+import argparse
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+SETTINGS = {
+    "default": ({}, {}),
+    "recommended": ({"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
+                    {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"}),
+}
+NODE = {"num_cpus": 1, "object_store_memory": 150 * 2**20}
+STEP = re.compile(r"^step (\d{5})/")
+
+
+def prepare_inputs(root: Path) -> tuple[Path, Path]:
+    from raychat.fixture_corpus import write_synthetic_corpus
+    from raychat.tokenizer import train_tokenizer
+
+    data, tok = root / "data", root / "tokenizer"
+    write_synthetic_corpus(data, num_docs=20_000, docs_per_shard=2_000)
+    train_tokenizer(data, tok, vocab_size=512, log=lambda *_: None)
+    return data, tok
+
+
+def follow(proc: subprocess.Popen, lines: "queue.Queue[tuple[float, str]]") -> None:
+    for line in proc.stdout:
+        lines.put((time.monotonic(), line.rstrip("\n")))
+    lines.put((time.monotonic(), None))
+
+
+def measure(name: str, data: Path, tok: Path, storage: Path) -> dict:
+    from ray.cluster_utils import Cluster
+
+    system_config, env = SETTINGS[name]
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "object_store_memory": 150 * 2**20, "_system_config": system_config})
+    nodes = [cluster.add_node(**NODE) for _ in range(2)]
+    flags = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
+             "--window-pattern", "L", "--device-batch-size", "8", "--total-batch-size", "2048",
+             "--num-iterations", "400", "--eval-every", "-1", "--sample-every", "-1", "--save-every", "10",
+             "--num-workers", "1:2", "--cpus-per-worker", "1", "--placement-strategy", "SPREAD",
+             "--resize-check-every", "5", "--data-dir", str(data), "--tokenizer-dir", str(tok),
+             "--storage-path", str(storage), "--run-name", name]
+    proc = subprocess.Popen([sys.executable, "-m", "raychat.train", *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **env, "RAY_ADDRESS": cluster.address})
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=follow, args=(proc, lines), daemon=True).start()
+    events: dict[str, float] = {}
+    result: dict = {"settings": name}
+    workers, last_step = 2, -1
+    try:
+        while True:
+            t, line = lines.get(timeout=600)
+            if line is None:
+                break
+            if line.startswith("Lost "):
+                workers = 1
+                result["redone_after_loss"] = int(re.search(r"(\d+) steps redone", line).group(1))
+            if line.startswith("Grew to"):
+                workers = 2
+                result["redone_after_grow"] = 0 if "no steps redone" in line else None
+            match = STEP.match(line)
+            if not match:
+                continue
+            last_step = int(match.group(1))
+            if "loss" not in events and last_step >= 20:
+                cluster.remove_node(nodes.pop(), allow_graceful=False)
+                events["loss"] = time.monotonic()
+            elif "loss" in events and "shrunk" not in events and workers == 1:
+                events["shrunk"], events["shrunk_step"] = t, last_step
+                result["loss_to_step_s"] = round(t - events["loss"], 1)
+            elif "shrunk" in events and "back" not in events and last_step >= events["shrunk_step"] + 10:
+                nodes.append(cluster.add_node(**NODE))
+                events["back"] = time.monotonic()
+            elif "back" in events and workers == 2:
+                result["back_to_grown_s"] = round(t - events["back"], 1)
+                proc.terminate()  # measured: the rest of the run would only cost time
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        cluster.shutdown()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--settings", default="default,recommended",
+                        help="comma-separated: default (Ray's) and/or recommended (see the module docstring)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"),
+                        help="directory for recovery.json")
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if not Path("~/.ray/auth_token").expanduser().exists():
+        os.environ.setdefault("RAY_AUTH_TOKEN", os.urandom(16).hex())
+    results = []
+    with tempfile.TemporaryDirectory(prefix="raychat-recovery-") as tmp:
+        data, tok = prepare_inputs(Path(tmp))
+        for name in args.settings.split(","):
+            results.append(measure(name, data, tok, Path(tmp) / "runs"))
+            print(json.dumps(results[-1]), flush=True)
+    header = ("settings", "loss -> step", "back -> grown", "redone (loss)", "redone (grow)")
+    print(f"{header[0]:<12} {header[1]:>13} {header[2]:>14} {header[3]:>14} {header[4]:>14}")
+    for r in results:
+        print(f"{r['settings']:<12} {r.get('loss_to_step_s', '-'):>12}s {r.get('back_to_grown_s', '-'):>13}s "
+              f"{r.get('redone_after_loss', '-'):>14} {r.get('redone_after_grow', '-'):>14}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "recovery.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
