@@ -8,6 +8,7 @@ Kubernetes Secret in cluster/kuberay/, the raylet's environment under `ray up`) 
 local Ray started by the driver inherits the driver's environment anyway.
 """
 
+import json
 import re
 from collections.abc import Mapping
 
@@ -23,6 +24,11 @@ def is_secret_name(name: str) -> bool:
 def worker_runtime_env(environ: Mapping[str, str]) -> dict:
     """Ray runtime_env for the workers: the non-secret raychat and wandb settings of `environ`."""
     env = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) and not is_secret_name(k)}
+    # Under `ray job submit` the job's own runtime env already reaches every worker, and Ray refuses
+    # a driver runtime env that names one of its variables again (ray._private.worker.init).
+    job_config = json.loads(environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    for name in ((job_config.get("runtime_env") or {}).get("env_vars") or {}):
+        env.pop(name, None)
     # Ray Train's print patch copies every worker print into its logger as well, and where stdout
     # has been wrapped (wandb, Ray Data progress) the step lines then reach the driver twice.
     env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"

@@ -2,6 +2,7 @@
 when redirected), and no secret in what Ray stores and shows (`ray job list`, the job's logs)."""
 
 import functools
+import json
 import re
 import shutil
 import subprocess
@@ -37,6 +38,16 @@ def test_runtime_env_keeps_settings_and_drops_secrets():
     assert worker_runtime_env(environ) == {"env_vars": {
         "WANDB_PROJECT": "p", "WANDB_ENTITY": "e", "WANDB_MODE": "offline", "WANDB_DIR": "/w",
         "RAYCHAT_HOME": "/h", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
+
+
+def test_runtime_env_leaves_a_jobs_own_variables_to_the_job():
+    """Under `ray job submit --runtime-env-json`, Ray refuses a driver runtime env that names a job
+    variable again ("Failed to merge the Job's runtime env"): those reach the workers anyway."""
+    job = json.dumps({"runtime_env": {"env_vars": {"RAYCHAT_TRACE_DIR": "/t", "RAYCHAT_HOME": "/h"}}})
+    environ = {"RAYCHAT_TRACE_DIR": "/t", "RAYCHAT_HOME": "/h", "RAYCHAT_OFFLINE": "1",
+               "RAY_JOB_CONFIG_JSON_ENV_VAR": job}
+    assert worker_runtime_env(environ) == {"env_vars": {"RAYCHAT_OFFLINE": "1",
+                                                        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
 
 
 def test_marked_lines_bare_others_keep_rays_prefix(capsys, monkeypatch):
