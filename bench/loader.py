@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 reference = ReferenceLoader(reference_documents(index, tokenizer), B, T)
                 ref_first, n, ref_seconds, ref_cpu, ref_inputs = timed(
                     reference.next_batch, 1, seconds=args.seconds, warmup_seconds=args.warmup_seconds)
-                with TrainLoader(index, tokenizer_dir, T, rank=0, world_size=1) as ours:
+                with TrainLoader(index, tokenizer_dir, T, 0, 1, data_tasks=args.num_cpus) as ours:
                     first, _, seconds, cpu, inputs = timed(lambda b=B: ours.next_rows(b), len(ref_inputs),
                                                            batches=n, with_descendants=True)
                     cropped = ours.cropped_fraction()

@@ -73,7 +73,8 @@ class TrainConfig:
     num_workers: str = _flag("1", "training workers: N, or MIN:MAX for an elastic run that continues on "
                              "fewer workers when nodes are lost", "ray")
     gpus_per_worker: float = _flag(-1.0, "GPUs per worker (-1 = 1 if the cluster has GPUs, else 0)", "ray")
-    cpus_per_worker: float = _flag(-1.0, "CPUs per worker (-1 = auto)", "ray")
+    cpus_per_worker: float = _flag(-1.0, "CPUs reserved per worker, for its step and its data feed: up to "
+                                   "that many read/tokenize tasks run at once on its node (-1 = 1)", "ray")
     max_failures: int = _flag(3, "worker-group restarts Ray attempts after failures (-1 = unlimited)", "ray")
     storage_path: str = _flag("", "where runs and checkpoints live: a local path or a URI such as "
                               "s3://bucket/runs (default $RAYCHAT_HOME/runs)", "ray")

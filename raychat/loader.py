@@ -16,12 +16,14 @@ Ray Data dataset tokenizes to its end as fast as the CPUs allow, so the first on
 steady state a pipeline restart comes only every 64 reads. (An object-store cap on Ray Data's
 run-ahead would do the same but made its executor spin at a full core while capped.)
 
-Resources: the read/tokenize tasks ask Ray for no CPU of their own and prefer the rank's own node.
-A task that needs a free logical CPU waits behind the cluster's other work, and after a node loss
-or on a tightly packed cluster that can be forever (the training workers hold their CPUs while they
-wait for data). Zero-CPU tasks always schedule; the cores they run on are the rank's own node's,
-which `--cpus-per-worker` reserves. If no data arrives for DATA_TIMEOUT_S anyway, the rank fails
-with an error, and Ray restarts the attempt from the latest checkpoint instead of hanging.
+Resources: the read/tokenize tasks ask Ray for no CPU of their own, prefer the rank's own node, and
+run at most `data_tasks` at a time. A task that needs a free logical CPU waits behind the cluster's
+other work, and after a node loss or on a tightly packed cluster that can be forever (the training
+workers hold their CPUs while they wait for data). Zero-CPU tasks always schedule; the cores they
+run on are the rank's own node's, which `--cpus-per-worker` reserves (and the cap keeps Ray from
+starting a worker process per block, which zero-CPU tasks otherwise allow). If no data arrives for
+DATA_TIMEOUT_S anyway, the rank fails, and Ray restarts the attempt from the latest checkpoint
+instead of hanging.
 
 Validation reads the val split through the same path, packed the same way, from the start.
 """
@@ -121,11 +123,11 @@ class SourceReader:
     """
 
     def __init__(self, source: Callable[[int], Source], units: list[Unit], tokenizer_dir: str,
-                 num_cpus: float = 0.0):
+                 data_tasks: int = 1):
         self._source = source
         self._units = units
         self._tokenizer_dir = str(tokenizer_dir)
-        self._num_cpus = num_cpus
+        self._data_tasks = data_tasks
         self._queue: queue.Queue = queue.Queue(maxsize=READS_AHEAD)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raychat-loader", daemon=True)
@@ -155,8 +157,8 @@ class SourceReader:
         context.print_on_execution_start = False
         local = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         return ds.map_batches(_read_and_tokenize, fn_kwargs={"tokenizer_dir": self._tokenizer_dir},
-                              batch_size=1, num_cpus=self._num_cpus, batch_format="numpy",
-                              scheduling_strategy=local)
+                              batch_size=1, num_cpus=0, concurrency=self._data_tasks,
+                              batch_format="numpy", scheduling_strategy=local)
 
     def _put(self, item) -> None:
         while not self._stop.is_set():
@@ -256,7 +258,7 @@ class TrainLoader:
 
     def __init__(self, index: CorpusIndex, tokenizer_dir: str, seq_len: int, rank: int, world_size: int,
                  cursor: dict | None = None, shuffle_seed: int | None = None, buffer_size: int = 1000,
-                 num_cpus: float = 0.0, record_consumed: bool = True):
+                 data_tasks: int = 1, record_consumed: bool = True):
         self.index = index
         self.seq_len = seq_len
         Tokenizer.load(tokenizer_dir)   # a missing tokenizer fails here, in one line, not inside Ray Data
@@ -265,7 +267,7 @@ class TrainLoader:
         if cursor is not None:
             _check_cursor_matches(cursor, self._corpus_key, index)
         self._sequence = RankSequence(rank_cursor(cursor, rank, world_size, schedule), schedule)
-        self._reader = SourceReader(self._sequence.source, index.train, tokenizer_dir, num_cpus)
+        self._reader = SourceReader(self._sequence.source, index.train, tokenizer_dir, data_tasks)
         self._feed = DocFeed(self._sequence, self._reader)
         self._packer = BestFitPacker(seq_len + 1, buffer_size)
         # Consumed ids for consumed_doc_ids(), 12 bytes each (a long run that never asks for them

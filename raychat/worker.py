@@ -161,7 +161,7 @@ def setup(config: dict) -> Worker:
         cursor = meta["cursor"] if meta else None
         return TrainLoader(index, config["tokenizer_dir"], cfg.max_seq_len, rank, world_size, cursor=cursor,
                            shuffle_seed=cfg.shuffle_seed if cfg.shuffle_seed >= 0 else None,
-                           record_consumed=bool(trace_dir))
+                           data_tasks=max(1, int(cfg.cpus_per_worker)), record_consumed=bool(trace_dir))
 
     if restore.meta is not None:
         check_vocab(tokenizer, restore.meta["vocab_size"], restore.meta.get("tokenizer_fingerprint"),
