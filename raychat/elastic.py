@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.controller.state import ResizingState
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
 
@@ -36,6 +37,7 @@ class Coordinator:
         self.last_step: int | None = None  # the last step the current attempt finished
         self.world_size: int | None = None
         self.attempts = 0
+        self.final: dict = {}
 
     def request_save(self) -> None:
         self.save_requested, self.saved_step = True, None
@@ -51,6 +53,14 @@ class Coordinator:
 
     def progress(self, step: int) -> None:
         self.last_step = step
+
+    def finish(self, metrics: dict) -> None:
+        """Rank 0's last report: Ray Train hands the driver only metrics reported with a checkpoint,
+        and raychat writes its checkpoints itself."""
+        self.final = metrics
+
+    def final_metrics(self) -> dict:
+        return self.final
 
     def start_attempt(self, step: int, world_size: int) -> dict:
         """Called by rank 0 of each new attempt: what the previous attempt did."""
@@ -69,9 +79,17 @@ _LIVE: dict[str, "ray.actor.ActorHandle"] = {}  # Ray ends an actor when its las
 
 
 def start_coordinator(session: str) -> "ray.actor.ActorHandle":
-    """Create the run's coordinator (owned by the calling driver: it ends with the driver)."""
-    _LIVE[session] = Coordinator.options(name=coordinator_name(session), num_cpus=0).remote()
+    """Create the run's coordinator (owned by the calling driver: it ends with the driver), on the
+    driver's own node: a zero-CPU actor could otherwise land on a worker node and die with it."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    _LIVE[session] = Coordinator.options(name=coordinator_name(session), num_cpus=0,
+                                         scheduling_strategy=here).remote()
     return _LIVE[session]
+
+
+def final_metrics(session: str) -> dict:
+    """The metrics rank 0 reported at the last step of the run started with `session` ({} if none)."""
+    return ray.get(_LIVE[session].final_metrics.remote())
 
 
 class PlannedResizeSave(ControllerCallback):

@@ -31,7 +31,7 @@ from raychat.console import install_driver_printer, plain_when_redirected
 from raychat.corpus_budget import corpus_budget_lines
 from raychat.corpus_check import validate_corpus
 from raychat.default_corpus import prepare_default_corpus
-from raychat.elastic import PlannedResizeSave, start_coordinator
+from raychat.elastic import PlannedResizeSave, final_metrics, start_coordinator
 from raychat.resume import driver_choice
 from raychat.runtime_env import worker_runtime_env
 from raychat.scaling import format_plan, resolve_plan
@@ -110,9 +110,13 @@ def check_resumable(cfg: TrainConfig, paths: RunPaths, tokenizer: Tokenizer, log
     return latest
 
 
-def build_trainer(cfg: TrainConfig, *, resume_from: Storage | None = None,
+def build_trainer(cfg: TrainConfig, *, session: str, resume_from: Storage | None = None,
                   run_config_overrides: dict | None = None, callbacks: list | None = None) -> TorchTrainer:
-    """The TorchTrainer for one raychat run (used by the CLI and by every tune.sweep trial)."""
+    """The TorchTrainer for one raychat run (used by the CLI and by every tune.sweep trial).
+
+    `session` names this driver's run (a new one each time): checkpoints carry it, so a restarted
+    worker group resumes from what this run wrote and a new run from the driver's choice; the run's
+    coordinator actor (raychat.elastic) is named after it."""
     # The dashboard's Train view (runs, attempts, workers) needs Ray Train's state tracking, which
     # is off by default in Ray 2.60 and read here, where the trainer is built.
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
@@ -133,9 +137,6 @@ def build_trainer(cfg: TrainConfig, *, resume_from: Storage | None = None,
         placement_strategy=cfg.placement_strategy,
         elastic_resize_monitor_interval_s=cfg.resize_check_every,
     )
-    # A new id per driver run: checkpoints carry it, so a restarted worker group resumes from what
-    # this run wrote, and a new run from the driver's choice. The coordinator lives as long as we do.
-    session = uuid.uuid4().hex
     start_coordinator(session)
     callbacks = [*(callbacks or []), *([PlannedResizeSave(session)] if elastic else [])]
     run_kwargs = dict(
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     resume_from = check_resumable(cfg, paths, tokenizer)
 
     connect_ray(max_workers)
-    trainer = build_trainer(cfg, resume_from=resume_from)
+    session = uuid.uuid4().hex
+    trainer = build_trainer(cfg, session=session, resume_from=resume_from)
     clear_stop_note(paths.storage_path, cfg.name)
     t0 = time.time()
     try:
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         raise RaychatError(f"loss became NaN/inf at step {stop['step']}: training stopped; the last good "
                            f"checkpoint is kept in {paths.run(cfg.name)} (lower the "
                            "learning rates or check the data, then re-run to resume)")
-    metrics = result.metrics or {}
+    metrics = final_metrics(session) or result.metrics or {}
     print("Training done.", flush=True)
     print(f"  min val bpb     : {metrics.get('min_val_bpb', float('nan')):.6f}")
     print(f"  steps           : {metrics.get('step', 0):,}")

@@ -393,6 +393,8 @@ def report(w: Worker, metrics: dict, last_step: bool) -> None:
         usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
         on_cuda = w.device.type == "cuda"
         metrics["peak_memory_mib"] = torch.cuda.max_memory_allocated(w.device) / 2**20 if on_cuda else usage
+        if w.coordinator is not None:
+            ray.get(w.coordinator.finish.remote(metrics))  # the driver's summary
     ray.train.report(metrics)
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import re
 import time
+import uuid
 
 import ray
 import ray.tune as tune
@@ -164,7 +165,8 @@ def run_trial(config: dict) -> None:
     clear_stop_note(paths.storage_path, cfg.name)
     # A restored sweep re-runs unfinished trials: each resumes its own run from its checkpoints.
     resume_from = check_resumable(cfg, paths, Tokenizer.load(paths.tokenizer_dir))
-    build_trainer(cfg, resume_from=resume_from, callbacks=[TuneReportCallback()]).fit()
+    build_trainer(cfg, session=uuid.uuid4().hex, resume_from=resume_from,
+                  callbacks=[TuneReportCallback()]).fit()
     stop = read_stop_note(paths.storage_path, cfg.name)
     if stop is not None:
         raise RaychatError(f"trial {spec['name']}: loss became NaN/inf at step {stop['step']}")
