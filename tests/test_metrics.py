@@ -2,8 +2,6 @@
 endpoint, and wandb offline runs."""
 
 import struct
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -64,58 +62,8 @@ def test_val_line():
     assert format_val_line(0, 3.0) == "Step 00000 | Validation bpb: 3.000000"
 
 
-# ---------------------------------------------------------------------------------------------------
-# Ray gauges reach the node's Prometheus endpoint
-
-
-def _scrape(port: int, hosts: list[str]) -> str:
-    for host in hosts:
-        try:
-            return urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
-        except OSError:
-            continue
-    return ""
-
-
-def _samples(text: str, run: str) -> dict[str, float]:
-    """{metric name: value} of the raychat gauges of this run in a Prometheus text exposition."""
-    found = {}
-    for line in text.splitlines():
-        if line.startswith("ray_raychat_") and f'run="{run}"' in line:
-            found[line.split("{", 1)[0]] = float(line.rsplit(" ", 1)[1])
-    return found
-
-
-@pytest.mark.ray
-@pytest.mark.timeout(150)
-def test_gauges_reach_the_prometheus_endpoint(ray_session):
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class Reporter:  # stands in for the rank-0 Train worker
-        def __init__(self):
-            from raychat.metrics import RayMetrics
-
-            self.metrics = RayMetrics("metrics-test")
-
-        def update(self, **values):
-            self.metrics.update(**values)
-
-    values = {"loss": 3.369286, "tokens_per_sec": 129360, "mfu": 62.46, "val_bpb": 1.234567, "step": 383,
-              "world_size": 2, "data_wait_seconds": 0.0125}
-    reporter = Reporter.remote()
-    try:
-        ray.get(reporter.update.remote(**values))
-        ray.get(reporter.update.remote(mfu=None))  # None leaves the gauge as it was
-        node = next(n for n in ray.nodes() if n["Alive"])
-        hosts = ["127.0.0.1", node["NodeManagerAddress"]]
-        deadline, found = time.monotonic() + 90, {}  # the agent exports every ~10 s
-        while time.monotonic() < deadline and len(found) < len(values):
-            found = _samples(_scrape(node["MetricsExportPort"], hosts), "metrics-test")
-            time.sleep(2)
-    finally:
-        ray.kill(reporter)
-    assert found == {f"ray_raychat_{name}": pytest.approx(float(v)) for name, v in values.items()}
+# The gauges of a real run reaching each node's Prometheus endpoint, through a resize, are checked in
+# tests/test_elastic.py.
 
 
 def test_unknown_gauge_name_is_an_error():
