@@ -20,13 +20,17 @@ def test_checkpoint_bench_quick(tmp_path):
     (depth,) = numbers["depths"]
     assert depth["depth"] == 2 and depth["step_s"] > 0
     assert set(depth["backends"]) == {"local", "s3"}
-    for m in depth["backends"].values():
+    for backend, m in depth["backends"].items():
         assert m["stall_s"] > 0 and m["write_s"] > 0 and m["verify_s"] > 0 and m["load_s"] > 0
         # model.pt holds fp32 parameters: at least 4 bytes per parameter
         assert m["model_bytes"] >= 4 * depth["params"]
-        # the kernel's count of bytes moved: everything once, plus HTTP headers on S3 (a few %)
-        assert m["checkpoint_bytes"] <= m["bytes_written"] < 1.1 * m["checkpoint_bytes"]
-        assert m["checkpoint_bytes"] <= m["load_bytes_read"] < 1.1 * m["checkpoint_bytes"]
-        assert m["checkpoint_bytes"] <= m["verify_bytes_read"] < 1.1 * m["checkpoint_bytes"]
+        # the kernel's count of bytes moved covers every byte of the checkpoint...
+        for moved in ("bytes_written", "verify_bytes_read", "load_bytes_read"):
+            assert m[moved] >= m["checkpoint_bytes"], (backend, moved)
+    # ...and on local disk (counted per process) each byte once: a second read would double it.
+    # On S3 the count is the machine's loopback traffic, which other processes share: no upper bound.
+    local = depth["backends"]["local"]
+    for moved in ("bytes_written", "verify_bytes_read", "load_bytes_read"):
+        assert local[moved] < 1.1 * local["checkpoint_bytes"], moved
     estimate = numbers["d24_estimate"]
     assert estimate["model_bytes"] == 4 * estimate["params"]
