@@ -1,0 +1,268 @@
+"""What checkpointing costs a run, on local disk and on S3: the stall, the upload, the resume.
+
+A save must not stall training (the issue's target: less than one step at d12 on S3), and a resume
+should read each byte once per rank that needs it. Both depend on the bytes in a checkpoint and on
+where it goes, so this measures them on real raychat models and optimizer state (built as a worker
+builds them, one optimizer step taken so the state is populated), once on local disk and once on S3
+in the same invocation:
+
+  save    the snapshot stall (`CheckpointSaver.save` -> `AsyncCheckpointWriter.snapshot_seconds`,
+          all the training thread waits for), one training step taken while the write runs, the
+          background write + upload (`write_seconds`) and the bytes it wrote;
+  resume  the driver's verification pass (`damage(deep=True)`) and one rank's `load_checkpoint`,
+          with the bytes each read.
+
+Bytes are counted by the operating system, not by the code under test: /proc/self/io (rchar, wchar)
+for local disk, loopback traffic (/proc/net/dev `lo`, HTTP headers included, and anything else on
+the machine's loopback meanwhile) for S3. The S3 server is moto, started here as its own process on
+127.0.0.1 (so its Python does not share this process's GIL) and stopped at the end. moto is far
+slower than a real object store and shares this machine's CPUs, so its figures bound the overhead
+from above. Local reads come from the page cache (the files were just written).
+
+A training step (forward, backward, optimizer) of the same model on one 1 x 512-token batch gives
+the "stall / step" ratio. From the largest depth measured, a d24 estimate is plain arithmetic:
+model.pt = params x 4 bytes, optim.pt = params x the measured optimizer bytes per parameter,
+seconds = bytes / the measured MB/s.
+
+    python -m bench.checkpoint                      # d4 and d12 (a few minutes on 2 cores)
+    python -m bench.checkpoint --depths 2 --quick   # smoke test (seconds)
+
+The numbers go to $OUT/checkpoint.json when $OUT is set, else bench/out/checkpoint.json.
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from raychat.checkpoint import MANIFEST_FILE, checkpoint_dir_name, damage, load_checkpoint
+from raychat.common import RaychatError, run_cli
+from raychat.config import TrainConfig
+from raychat.model import build_model
+from raychat.optim import build_optimizer
+from raychat.saver import CheckpointSaver
+from raychat.scaling import resolve_plan
+from raychat.storage import Storage
+
+BUCKET = "raychat-bench"
+MB = 1e6
+
+
+def os_bytes(backend: str) -> tuple[int, int]:
+    """(read, written) so far, as the kernel counts them for this backend."""
+    if backend == "local":
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+        return int(fields["rchar"]), int(fields["wchar"])
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "lo":
+            received = int(counters.split()[0])  # on loopback every byte sent is also received once
+            return received, received
+    raise RaychatError("no loopback interface in /proc/net/dev; the S3 byte counts need one")
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """moto's S3 server in its own process on a free 127.0.0.1 port, with the bench's bucket."""
+    import boto3
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}").create_bucket(Bucket=BUCKET)
+            return server, f"127.0.0.1:{port}"
+        except Exception:  # not listening yet (botocore raises several kinds)
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RaychatError("the moto S3 server did not start; check "
+                                   "`pip install 'moto[server]>=5.2.5'`") from None
+            time.sleep(0.3)
+
+
+def measure(depth: int, args: argparse.Namespace, locations: dict[str, str]) -> dict:
+    """Build the model at `depth`, time its training step, then save and load it at each location."""
+    cfg = TrainConfig(depth=depth, max_seq_len=args.seq_len, device_batch_size=1,
+                      total_batch_size=args.seq_len, window_pattern="L", vocab_size=args.vocab_size)
+    plan = resolve_plan(cfg, args.vocab_size)
+    torch.manual_seed(0)
+    model = build_model(plan.model, "cpu")
+    optimizer = build_optimizer(model, embedding_lr=cfg.embedding_lr, unembedding_lr=cfg.unembedding_lr,
+                                matrix_lr=cfg.matrix_lr, scalar_lr=cfg.scalar_lr,
+                                weight_decay=plan.weight_decay)
+    tokens = torch.randint(0, args.vocab_size, (1, args.seq_len + 1))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def step() -> float:
+        start = time.perf_counter()
+        model(x, y).backward()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    step()  # populates the optimizer state; also the slow first step, so not timed
+    step_s = statistics.median(step() for _ in range(args.steps))
+    model_state, optim_state = model.state_dict(), optimizer.state_dict()
+    meta = {"step": 1, "model_config": asdict(plan.model)}
+    result = {"depth": depth, "params": plan.params["total"], "flops_per_token": plan.flops_per_token,
+              "batch": f"1 x {args.seq_len} tokens", "step_s": step_s, "backends": {}}
+    print(f"d{depth}: {plan.params['total'] / 1e6:,.1f} M params, training step {step_s:.2f} s "
+          f"(median of {args.steps}, batch 1 x {args.seq_len} tokens)", flush=True)
+
+    for backend, location in locations.items():
+        run = Storage(location).child(f"d{depth}")
+        saver = CheckpointSaver(run, keep=0, enabled=True, log=lambda _: None)
+        read0, written0 = os_bytes(backend)
+        saver.save(1, model_state, optim_state, meta)
+        stall_s = saver.writer.snapshot_seconds
+        step_during_write_s = step()  # what the 2 cores give training while the writer hashes and uploads
+        write_outlasted_step = not saver.writer.done()
+        saver.close()
+        written = os_bytes(backend)[1] - written0
+        directory = run.child(checkpoint_dir_name(1))
+        files = json.loads(directory.read_bytes(MANIFEST_FILE))["files"]
+
+        read0 = os_bytes(backend)[0]
+        start = time.perf_counter()
+        problem = damage(directory, deep=True)
+        verify_s, verify_read = time.perf_counter() - start, os_bytes(backend)[0] - read0
+        if problem is not None:
+            raise RaychatError(f"the checkpoint just written to {directory} is damaged: {problem}")
+        read0 = os_bytes(backend)[0]
+        start = time.perf_counter()
+        loaded = load_checkpoint(directory)
+        load_s, load_read = time.perf_counter() - start, os_bytes(backend)[0] - read0
+        del loaded
+        checkpoint_bytes = sum(entry["bytes"] for entry in files.values())
+        result["backends"][backend] = {
+            "stall_s": stall_s, "stall_per_step": stall_s / step_s,
+            "step_during_write_s": step_during_write_s,
+            "write_outlasted_step": write_outlasted_step, "write_s": saver.writer.write_seconds,
+            "bytes_written": written, "checkpoint_bytes": checkpoint_bytes,
+            "model_bytes": files["model.pt"]["bytes"], "optim_bytes": files["optim.pt"]["bytes"],
+            "verify_s": verify_s, "verify_bytes_read": verify_read,
+            "load_s": load_s, "load_bytes_read": load_read,
+        }
+        print(row(result, backend), flush=True)  # a d12 run takes minutes: show each as it lands
+    return result
+
+
+def d24_estimate(base: dict, args: argparse.Namespace) -> dict:
+    """Bytes at d24 from its parameter count and `base`'s optimizer bytes per parameter; seconds
+    from `base`'s measured throughputs; the step scaled by FLOPs per token."""
+    plan = resolve_plan(TrainConfig(depth=24, max_seq_len=args.seq_len, device_batch_size=1,
+                                    total_batch_size=args.seq_len, window_pattern="L",
+                                    vocab_size=args.vocab_size), args.vocab_size)
+    params = plan.params["total"]
+    local = base["backends"]["local"]
+    model_bytes = 4 * params
+    optim_bytes = params * local["optim_bytes"] / base["params"]
+    total = model_bytes + optim_bytes
+    step_s = base["step_s"] * plan.flops_per_token / base["flops_per_token"]
+    estimate = {"params": params, "model_bytes": model_bytes, "optim_bytes": optim_bytes,
+                "optim_bytes_per_param": optim_bytes / params, "step_s": step_s, "from_depth": base["depth"],
+                "backends": {}}
+    for backend, m in base["backends"].items():
+        scale = total / m["checkpoint_bytes"]
+        estimate["backends"][backend] = {key: m[key] * scale for key in ("stall_s", "write_s", "verify_s",
+                                                                           "load_s")}
+        estimate["backends"][backend]["stall_per_step"] = m["stall_s"] * scale / step_s
+    return estimate
+
+
+HEADER = ("depth backend | stall ms | stall/step | step while writing s | write s (MB/s)  | written GB "
+          "| verify s (MB/s)  | load s (MB/s)    | read per rank GB (x ckpt)")
+
+
+def row(r: dict, backend: str) -> str:
+    m, gb = r["backends"][backend], r["backends"][backend]["checkpoint_bytes"] / 1e9
+    return (f"d{r['depth']:<4} {backend:<7} | {1000 * m['stall_s']:8.0f} | {m['stall_per_step']:10.3f} | "
+            f"{m['step_during_write_s']:8.2f} (alone {r['step_s']:.2f}) | "
+            f"{m['write_s']:6.2f} ({gb * 1e3 / m['write_s']:5.0f}) | {m['bytes_written'] / 1e9:10.3f} | "
+            f"{m['verify_s']:6.2f} ({gb * 1e3 / m['verify_s']:5.0f}) | "
+            f"{m['load_s']:6.2f} ({gb * 1e3 / m['load_s']:5.0f}) | "
+            f"{m['load_bytes_read'] / 1e9:.3f} ({m['load_bytes_read'] / m['checkpoint_bytes']:.2f}x)")
+
+
+def report(results: list[dict], estimate: dict) -> None:
+    print("\n" + HEADER)
+    for r in results:
+        for backend in r["backends"]:
+            print(row(r, backend))
+    print("\nS3 / local (time ratios):")
+    for r in results:
+        s3, local = r["backends"]["s3"], r["backends"]["local"]
+        print(f"d{r['depth']:<4} " + ", ".join(f"{key.removesuffix('_s')} {s3[key] / local[key]:.2f}x"
+                                              for key in ("stall_s", "write_s", "verify_s", "load_s")))
+    e = estimate
+    print(f"\nd24 estimate (arithmetic from d{e['from_depth']}): {e['params'] / 1e6:,.0f} M params; model.pt "
+          f"{e['model_bytes'] / 1e9:.2f} GB (4 B/param) + optim.pt {e['optim_bytes'] / 1e9:.2f} GB "
+          f"({e['optim_bytes_per_param']:.2f} B/param) = "
+          f"{(e['model_bytes'] + e['optim_bytes']) / 1e9:.2f} GB "
+          f"read per rank; step ~{e['step_s']:.1f} s (FLOPs-scaled)")
+    for backend, b in e["backends"].items():
+        print(f"  {backend:<6} stall {b['stall_s']:.1f} s ({b['stall_per_step']:.2f} step), write "
+              f"{b['write_s']:.0f} s, driver verify {b['verify_s']:.0f} s, load per rank {b['load_s']:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.checkpoint", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depths", default="4,12", help="comma-separated model depths (default 4,12)")
+    parser.add_argument("--steps", type=int, default=2, help="timed training steps per depth (default 2)")
+    parser.add_argument("--local-dir", default=None, help="where the local-disk checkpoints go, in a "
+                        "temporary directory removed at the end (default: the system temp dir)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: vocab 4096, 128-token batch, "
+                        "one timed step")
+    args = parser.parse_args(argv)
+    try:
+        depths = [int(d) for d in args.depths.split(",") if d.strip()]
+    except ValueError:
+        raise RaychatError(f"--depths must be comma-separated integers, got {args.depths!r}") from None
+    if not depths or min(depths) < 1 or args.steps < 1:
+        raise RaychatError("--depths needs at least one depth >= 1 and --steps must be at least 1")
+    args.vocab_size, args.seq_len = (4096, 128) if args.quick else (32768, 512)
+    args.steps = 1 if args.quick else args.steps
+    # The only S3 here is the local moto server: fake credentials, no instance-metadata lookups.
+    os.environ.update(AWS_ACCESS_KEY_ID="raychat-bench", AWS_SECRET_ACCESS_KEY="raychat-bench",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+
+    server, endpoint = start_moto()
+    print(HEADER, flush=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="raychat_bench_ckpt_", dir=args.local_dir) as local:
+            locations = {"local": local,
+                         "s3": f"s3://{BUCKET}/bench?endpoint_override={endpoint}&scheme=http"}
+            results = [measure(depth, args, locations) for depth in depths]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    estimate = d24_estimate(results[-1], args)
+    report(results, estimate)
+
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "out"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / "checkpoint.json"
+    numbers = {"quick": args.quick, "cpus": os.cpu_count(), "load_average": os.getloadavg()[0],
+               "depths": results, "d24_estimate": estimate}
+    out.write_text(json.dumps(numbers, indent=2) + "\n")
+    print(f"\nnumbers written to {out}; load average at the end: {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,36 @@
+"""bench/checkpoint.py end to end at a tiny depth: it starts its own S3 server, saves and loads on both
+backends, and writes its numbers; a resume reads each checkpoint byte once (the issue's target)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_checkpoint_bench_quick(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, "-m", "bench.checkpoint", "--depths", "2", "--quick"], env=env,
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "d24 estimate" in done.stdout
+    numbers = json.loads((tmp_path / "checkpoint.json").read_text())
+    (depth,) = numbers["depths"]
+    assert depth["depth"] == 2 and depth["step_s"] > 0
+    assert set(depth["backends"]) == {"local", "s3"}
+    for backend, m in depth["backends"].items():
+        assert m["stall_s"] > 0 and m["write_s"] > 0 and m["verify_s"] > 0 and m["load_s"] > 0
+        # model.pt holds fp32 parameters: at least 4 bytes per parameter
+        assert m["model_bytes"] >= 4 * depth["params"]
+        # the kernel's count of bytes moved covers every byte of the checkpoint...
+        for moved in ("bytes_written", "verify_bytes_read", "load_bytes_read"):
+            assert m[moved] >= m["checkpoint_bytes"], (backend, moved)
+    # ...and on local disk (counted per process) each byte once: a second read would double it.
+    # On S3 the count is the machine's loopback traffic, which other processes share: no upper bound.
+    local = depth["backends"]["local"]
+    for moved in ("bytes_written", "verify_bytes_read", "load_bytes_read"):
+        assert local[moved] < 1.1 * local["checkpoint_bytes"], moved
+    estimate = numbers["d24_estimate"]
+    assert estimate["model_bytes"] == 4 * estimate["params"]
