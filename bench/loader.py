@@ -31,7 +31,8 @@ import torch
 from raychat.common import RaychatError, default_data_dir, run_cli
 from raychat.corpus_index import CorpusIndex, list_shards, read_unit_texts
 from raychat.packer import BestFitPacker
-from raychat.tokenizer import Tokenizer, available_cores, train_tokenizer
+from raychat.tokenizer import Tokenizer, available_cores
+from raychat.tokenizer_train import train_tokenizer
 
 CONFIGS = [(8, 2048), (32, 512)]
 

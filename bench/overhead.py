@@ -66,7 +66,7 @@ def bench_config(args: argparse.Namespace) -> TrainConfig:
 def prepare_inputs(cache_dir: Path, vocab_size: int) -> tuple[Path, Path]:
     """(corpus dir, tokenizer dir) in cache_dir: the sample corpus and a tokenizer trained on it."""
     from raychat.corpus_sample import write_sample_corpus
-    from raychat.tokenizer import train_tokenizer
+    from raychat.tokenizer_train import train_tokenizer
 
     data_dir, tokenizer_dir = cache_dir / "data", cache_dir / f"tokenizer_{vocab_size}"
     if not data_dir.is_dir() or not list_shards(data_dir):

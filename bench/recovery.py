@@ -41,7 +41,7 @@ STEP = re.compile(r"^step (\d{5})/")
 
 def prepare_inputs(root: Path) -> tuple[Path, Path]:
     from raychat.fixture_corpus import write_synthetic_corpus
-    from raychat.tokenizer import train_tokenizer
+    from raychat.tokenizer_train import train_tokenizer
 
     data, tok = root / "data", root / "tokenizer"
     write_synthetic_corpus(data, num_docs=20_000, docs_per_shard=2_000)

@@ -22,7 +22,8 @@ import rustbpe
 import tiktoken
 
 from raychat.corpus_index import iter_split_texts
-from raychat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, available_cores, train_tokenizer
+from raychat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, available_cores
+from raychat.tokenizer_train import train_tokenizer
 
 ENCODE_TARGET_MB_PER_CORE = 10.0
 

@@ -1,21 +1,16 @@
 """MuonAdamW: nanochat's combined optimizer, with data parallelism built in.
 
-Muon trains the transformer's matrices: Nesterov momentum, MuonEq row equilibration, Polar Express
-orthogonalisation, Muon+ renormalisation, NorMuon variance reduction and cautious weight decay, on a
-stack of a group's same-shape matrices at once. AdamW (torch's fused kernel: decoupled weight decay,
-bias correction) trains the embeddings, value embeddings, lm_head and per-layer scalars. The
-algorithm is nanochat's (`nanochat/optim.py`), step for step.
+Muon (`raychat.muon`) trains the transformer's matrices, on a stack of a group's same-shape matrices
+at once. AdamW (torch's fused kernel: decoupled weight decay, bias correction) trains the embeddings,
+value embeddings, lm_head and per-layer scalars. The algorithm is nanochat's (`nanochat/optim.py`),
+step for step.
 
 Why the distribution lives here and not in DDP: the optimizer is the only consumer of the summed
 gradient, so the reduction can be a reduce-scatter. Each rank receives only the gradient slice it
 updates, keeps optimizer state only for that slice (ZeRO-2) and all-gathers the updated parameters.
 Gradients are SUM-reduced (the caller divides the loss by the GLOBAL token count), so the update is
-the same function of the same rows at any world size. No world size has to divide a tensor dim:
-- an AdamW tensor is cut into `world` equal shards (64-element aligned, so the fused kernel treats
-  every element as it would unsharded); the few elements left over, and whole tensors under
-  SHARD_MIN_NUMEL, are replicated: reduced by one coalesced all-reduce and updated on every rank.
-  Nothing large is padded or copied: collectives read the gradient and write the parameter in place.
-- a Muon group of K matrices gives each rank ceil(K / world) of them; the stack is zero-padded.
+the same function of the same rows at any world size; `raychat.optim_shards` says which slice of
+each parameter a rank gets.
 Reductions are launched asynchronously first (Muon's first, so its orthogonalisation, the heaviest
 compute, overlaps AdamW's larger reductions); each group is then updated as its reduction lands and
 its all-gather launched, so gathers run while later groups compute.
@@ -24,7 +19,6 @@ its all-gather launched, so gathers run while later groups compute.
 and independent of the world size; `load_state_dict()` re-shards such a state for the current one.
 """
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -33,24 +27,9 @@ from torch import Tensor
 from torch.optim.adamw import adamw as fused_adamw
 
 from raychat.common import RaychatError
-from raychat.model import GPT, compute_dtype
-
-# Polar Express coefficients (a, b, c) of X <- a X + b (X X^T) X + c (X X^T)^2 X, for 5 iterations
-# (safety factor 2e-2, cushion 2), from Amsel et al. 2025, https://arxiv.org/abs/2505.16932
-POLAR_EXPRESS_COEFFS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
-
-# AdamW tensors smaller than this are replicated, not sharded: one coalesced all-reduce of all of
-# them costs less than a reduce-scatter plus an all-gather each (nanochat's threshold).
-SHARD_MIN_NUMEL = 1024
-# Shard sizes are multiples of one 64-byte cache line of elements: the fused AdamW kernel vectorises
-# per cache line, so an element gets the same arithmetic whichever shard it lands in.
-SHARD_ALIGN = 64
+from raychat.model import GPT
+from raychat.muon import muon_update
+from raychat.optim_shards import adamw_shard_numel, muon_chunk, world_and_rank
 
 # nanochat's AdamW sets: lr source, lr multiplier, scaled by (model_dim / 768) ** -0.5, betas, weight decay
 ADAMW_SETS = {
@@ -65,25 +44,6 @@ ADAMW_EPS = 1e-10
 MUON_DEFAULTS = {"momentum": 0.95, "ns_steps": 5, "beta2": 0.9}
 
 
-def _world() -> tuple[int, int]:
-    """(world size, rank) of the default process group; (1, 0) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
-
-
-def adamw_shard_numel(numel: int, world: int) -> int:
-    """Elements of an AdamW tensor in each rank's shard; elements from shard * world on are replicated."""
-    if world == 1 or numel < SHARD_MIN_NUMEL:
-        return 0
-    return numel // world // SHARD_ALIGN * SHARD_ALIGN
-
-
-def muon_chunk(num_matrices: int, world: int) -> int:
-    """Matrices of a Muon group each rank owns (rank r: [r * chunk, (r + 1) * chunk), padded)."""
-    return math.ceil(num_matrices / world)
-
-
 def _state_shapes(kind: str, shape: torch.Size) -> dict[str, tuple[int, ...]]:
     """Shapes of one parameter's tensors in the canonical state dict."""
     if kind == "adamw":
@@ -92,69 +52,6 @@ def _state_shapes(kind: str, shape: torch.Size) -> dict[str, tuple[int, ...]]:
     rows, cols = shape
     factored = (rows, 1) if rows >= cols else (1, cols)
     return {"momentum_buffer": (rows, cols), "second_momentum_buffer": factored}
-
-
-def _at_least_fp32(t: Tensor) -> Tensor:
-    """Norms and mean squares of a bf16 stack are taken in fp32 (fp64 stays fp64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor, second_momentum_buffer: Tensor, *,
-                momentum: float, lr: float, weight_decay: float, beta2: float, ns_steps: int) -> None:
-    """nanochat's Muon step on a stack [k, rows, cols] of same-shape matrices, in place.
-
-    `grads` is overwritten. `lr` is the group's; the max(1, rows / cols) ** 0.5 shape scaling is
-    applied here. Successive scalings of the whole stack are folded into one in-place multiply each
-    (same arithmetic up to rounding): on CPU a pass over the stack costs more than the small
-    per-row statistics that let it be skipped.
-    """
-    rows, cols = params.shape[-2:]
-    # Nesterov momentum: update the buffer, then step along the gradient pulled towards it
-    momentum_buffer.lerp_(grads, 1 - momentum)
-    x = grads.lerp_(momentum_buffer, momentum)
-
-    # bf16 where the model computes in bf16 (fast, and the iteration only needs singular values near
-    # 1); fp16's exponent range is too narrow, so any other compute dtype keeps the parameter dtype.
-    if compute_dtype(params.device) == torch.bfloat16:
-        x = x.bfloat16()
-    # MuonEq (scale every row to the mean row norm, so the spectrum entering the iteration is better
-    # conditioned), then normalise the Frobenius norm to just under 1 so every singular value is in range
-    row_norm = _at_least_fp32(x).norm(dim=-1, keepdim=True)
-    mean_row_norm = row_norm.square().sum(dim=-2, keepdim=True).sqrt() / rows**0.5
-    row_scale = mean_row_norm / row_norm.clamp_min(1e-6)
-    frobenius = (row_norm * row_scale).square().sum(dim=-2, keepdim=True).sqrt()
-    x.mul_((row_scale / (frobenius * 1.01 + 1e-6)).to(x.dtype))
-    # Polar Express: X <- a X + b (X X^T) X + c (X X^T)^2 X drives every singular value towards 1
-    # (the orthogonal polar factor); the Gram matrix is formed on the smaller side
-    for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
-        if rows > cols:
-            gram = torch.bmm(x.mT, x)
-            x = torch.baddbmm(x, x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), beta=a)
-        else:
-            gram = torch.bmm(x, x.mT)
-            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    update = x.to(params.dtype)
-
-    # Muon+: the Frobenius norm snaps to sqrt(min(rows, cols)), that of an exactly semi-orthogonal
-    # matrix, correcting the iteration's under-convergence. NorMuon: then each row (column if wide) is
-    # scaled by the inverse root of an EMA of its mean squared update, and the overall norm restored.
-    reduce_dim = -1 if rows >= cols else -2
-    reduce_size = update.size(reduce_dim)
-    mean_sq = _at_least_fp32(update).norm(dim=reduce_dim, keepdim=True).square() / reduce_size
-    frobenius = (mean_sq.sum(dim=(-2, -1), keepdim=True) * reduce_size).sqrt()
-    renorm = min(rows, cols) ** 0.5 / frobenius.clamp_min(1e-6)
-    mean_sq = mean_sq * renorm.square()  # statistics of the renormalised update
-    norm_before = (mean_sq.sum(dim=(-2, -1), keepdim=True) * reduce_size).sqrt()
-    second_momentum_buffer.lerp_(mean_sq.to(second_momentum_buffer.dtype), 1 - beta2)
-    step_size = second_momentum_buffer.clamp_min(1e-10).rsqrt()
-    scaled_sq = mean_sq * reduce_size * _at_least_fp32(step_size).square()
-    norm_after = scaled_sq.sum(dim=(-2, -1), keepdim=True).sqrt()
-    update.mul_((renorm * step_size * (norm_before / norm_after.clamp_min(1e-10))).to(update.dtype))
-
-    # Cautious weight decay (only where update and weight agree in sign), then the step
-    lr = lr * max(1.0, rows / cols) ** 0.5
-    agree = (update * params) >= 0
-    params.sub_(update.addcmul_(params, agree, value=weight_decay), alpha=lr)
 
 
 @dataclass
@@ -226,7 +123,7 @@ class MuonAdamW(torch.optim.Optimizer):
         return [group for group in self.param_groups if group["kind"] == kind]
 
     def _check_layout(self) -> tuple[int, int]:
-        layout = _world()
+        layout = world_and_rank()
         if self._layout is not None and self._layout != layout:
             raise RuntimeError(f"optimizer state is sharded for (world size, rank) {self._layout}, the "
                                f"process group is now {layout}: move it via state_dict() to a new optimizer")
@@ -453,7 +350,7 @@ class MuonAdamW(torch.optim.Optimizer):
                         raise RaychatError(f"optimizer state {name}.{key} is {found} in the checkpoint, "
                                            f"expected {shape}: resume with the saved run's model flags or "
                                            "start a new --run-name")
-        world, rank = _world()
+        world, rank = world_and_rank()
         self._layout = (world, rank)
         self.state.clear()
         for group, saved in zip(self.param_groups, saved_groups, strict=True):

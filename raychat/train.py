@@ -37,7 +37,8 @@ from raychat.runtime_env import worker_runtime_env
 from raychat.scaling import format_plan, resolve_plan
 from raychat.stop_note import clear_stop_note, read_stop_note
 from raychat.storage import Storage, normalize_location
-from raychat.tokenizer import Tokenizer, check_vocab, train_tokenizer
+from raychat.tokenizer import Tokenizer, check_vocab
+from raychat.tokenizer_train import train_tokenizer
 from raychat.worker import train_loop_per_worker
 
 

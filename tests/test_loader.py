@@ -19,7 +19,8 @@ from raychat.cursor import UnitSchedule, expand
 from raychat.fixture_corpus import write_synthetic_corpus
 from raychat.loader import TrainLoader, merge_cursor, val_loader
 from raychat.packer import BestFitPacker
-from raychat.tokenizer import Tokenizer, train_tokenizer
+from raychat.tokenizer import Tokenizer
+from raychat.tokenizer_train import train_tokenizer
 
 pytestmark = [pytest.mark.ray,
               # Ray Data warns about its own deprecated settings when it copies its context.

@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from raychat.common import RaychatError
 from raychat.model import build_model, gpt_config
-from raychat.optim import POLAR_EXPRESS_COEFFS, MuonAdamW, build_optimizer
+from raychat.muon import POLAR_EXPRESS_COEFFS
+from raychat.optim import MuonAdamW, build_optimizer
 
 
 @pytest.fixture(autouse=True)

@@ -22,15 +22,9 @@ from hypothesis import strategies as st
 from raychat.common import RaychatError
 from raychat.corpus_index import iter_split_texts
 from raychat.corpus_writer import CorpusWriter
-from raychat.tokenizer import (
-    MIN_VOCAB_SIZE,
-    SPECIAL_TOKENS,
-    Tokenizer,
-    check_vocab,
-    evaluate_tokenizer,
-    load_hf_tokenizer,
-    train_tokenizer,
-)
+from raychat.tokenizer import SPECIAL_TOKENS, Tokenizer, check_vocab
+from raychat.tokenizer_eval import evaluate_tokenizer
+from raychat.tokenizer_train import MIN_VOCAB_SIZE, load_hf_tokenizer, train_tokenizer
 
 VOCAB = 1024
 SEEDS_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"

@@ -120,7 +120,7 @@ def test_two_workers_learn_log_checkpoint_sample_and_resume(ray_session, tiny_co
     sample = run_sample(storage, "basic", tokenizer_dir, "--max-tokens", "8")
     assert sample.returncode == 0, sample.stderr
     assert "step 16" in sample.stdout and "\nThe" in sample.stdout
-    from raychat.tokenizer import train_tokenizer
+    from raychat.tokenizer_train import train_tokenizer
 
     other_tok = tmp_path / "other_tok"
     train_tokenizer(data_dir, other_tok, vocab_size=300, log=lambda *_: None)
@@ -282,7 +282,7 @@ def test_bad_storage_fails_fast_with_one_line_and_writes_nothing(tiny_corpus, tm
 
 def test_wrong_tokenizer_nan_loss_damaged_checkpoint_and_resume_from_step(ray_session, tiny_corpus, tmp_path,
                                                                           storage):
-    from raychat.tokenizer import train_tokenizer
+    from raychat.tokenizer_train import train_tokenizer
 
     data_dir, _ = tiny_corpus
     base = ["--num-workers", "1", "--total-batch-size", "512", "--eval-every", "-1", "--save-every", "3"]
