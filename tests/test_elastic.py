@@ -109,6 +109,15 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
     assert re.search(summary, logs, re.M), logs[-2000:]
     assert world_sizes_by_attempt(trace) == [3, 2, 3]
 
+    # The dashboard's Train view knows the run and its three attempts (3, 2 and 3 workers).
+    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+
+    request = urllib.request.Request(f"http://{c.head_node.address_info['webui_url']}/api/train/v2/runs/v1",
+                                     headers=get_auth_headers_if_auth_enabled({}))
+    runs = json.loads(urllib.request.urlopen(request, timeout=30).read())["train_runs"]
+    (train_run,) = [r for r in runs if r["name"] == "elastic"]
+    assert [len(a["workers"]) for a in train_run["attempts"]] == [3, 2, 3], train_run["attempts"]
+
     # Exactly once: the final timeline trained every epoch-1 document once (or holds it in flight).
     run = Storage(storage).child("elastic")
     final = read_meta(latest_valid_checkpoint(run))
