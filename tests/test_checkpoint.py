@@ -351,3 +351,16 @@ def test_saver_prunes_logs_the_stall_and_finishes_before_an_early_stop(storage):
     # Other ranks hold a disabled saver: no writes.
     CheckpointSaver(run.child("other"), keep=2, enabled=False, log=lines.append).save(20, model, optim, {})
     assert not run.child("other").exists()
+
+
+def test_an_error_that_is_not_damage_is_not_reported_as_damage(tmp_path, monkeypatch):
+    """Only a short/missing file, a hash mismatch or an unreadable tensor file means "damaged, use an
+    earlier checkpoint"; a device out of memory must surface as itself."""
+    save_checkpoint(tmp_path / "ckpt", {"w": torch.ones(4)}, {"state": {}}, {"step": 1})
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch, "load", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        load_checkpoint(tmp_path / "ckpt")
