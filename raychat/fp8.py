@@ -27,7 +27,8 @@ from torch import Tensor
 # torchao logs a warning for each of its CUDA kernel libraries a CPU build of torch cannot load;
 # none of them is used here (float8 training runs on torch's own _scaled_mm or its emulation)
 logging.getLogger("torchao").setLevel(logging.ERROR)
-from torchao.float8 import Float8Linear, Float8LinearConfig  # noqa: E402
+from torchao.float8 import Float8LinearConfig  # noqa: E402
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
 MIN_FEATURES = 128
 FEATURE_MULTIPLE = 16
