@@ -20,9 +20,10 @@ on this kind of machine (DESIGN.md, "Reference figures": A 1,370 tok/s, B 780 to
     python -m bench.step --configs A --modes eager --steps 20
     python -m bench.step --configs d8x16/16384   # depth 8, device batch 16, total batch 16384 tokens
     python -m bench.step --warm                  # also a compiled run with a warm inductor cache
+    python -m bench.step --dtypes fp32,bf16      # each variant in both dtypes (bf16 vs fp32 ratios)
 
-On a CUDA machine it then measures tokens/sec and MFU at depth 12 and 20 (nanochat's shapes: head
-dim 128, T 2048, window pattern SSSL, auto total batch, bf16, compiled); --gpu-configs chooses.
+The GPU measurements (d12/d20, MFU, FlexAttention, FP8) are `python -m bench.gpu`, which runs its
+variants through `launch` here.
 """
 
 import argparse
@@ -42,8 +43,9 @@ import torch
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig
 from raychat.flops import mfu, peak_flops
-from raychat.model import build_model, compute_dtype
+from raychat.model import build_model
 from raychat.optim import build_optimizer
+from raychat.precision import DTYPES, Precision, auto_dtype
 from raychat.scaling import micro_batch_sizes, resolve_plan
 
 # DESIGN.md, "Reference figures": nanochat on 2 cores, torch 2.13.0 CPU, compiled, median tok/s and
@@ -77,14 +79,8 @@ CPU_CONFIGS = {
     "A": BenchConfig("A", depth=4, device_batch_size=8, total_batch_size=4096),
     "B": BenchConfig("B", depth=6, device_batch_size=32, total_batch_size=16384),
 }
-GPU_CONFIGS = {
-    "d12": BenchConfig("d12", 12, 32, -1, max_seq_len=2048, head_dim=128, window_pattern="SSSL"),
-    "d20": BenchConfig("d20", 20, 32, -1, max_seq_len=2048, head_dim=128, window_pattern="SSSL"),
-}
 QUICK_CPU = BenchConfig("quick", depth=2, device_batch_size=2, total_batch_size=512, max_seq_len=128,
                         vocab_size=4096)
-QUICK_GPU = BenchConfig("gpu-quick", 4, 8, 2 * 8 * 2048, max_seq_len=2048, head_dim=128,
-                        window_pattern="SSSL")
 
 CUSTOM_SPEC = re.compile(r"d(\d+)x(\d+)(?:/(\d+))?$")
 
@@ -111,10 +107,14 @@ def parse_configs(text: str, named: dict[str, BenchConfig], base: BenchConfig) -
 
 
 def run_variant(config: BenchConfig, mode: str, device_name: str, steps: int, warmup: int,
-                launched_at: float, log=print) -> dict:
+                launched_at: float, dtype: str = "auto", fp8_recipe: str | None = None, log=print) -> dict:
     """Build the model and optimizer as a raychat worker does, run warmup + steps optimizer steps on
-    random batches, return the timings (seconds) and the first losses."""
+    random batches, return the timings (seconds) and the first losses. dtype: auto, bf16 or fp32
+    (not checked against the CPU: the bench measures what the trainer refuses); fp8_recipe: torchao's
+    float8 training, emulated off CUDA."""
     device = torch.device(device_name)
+    precision = Precision(auto_dtype(device) if dtype == "auto" else DTYPES[dtype], fp8_recipe,
+                          fp8_emulate=device.type != "cuda")
     cuda = device.type == "cuda"
 
     def sync() -> None:
@@ -129,7 +129,7 @@ def run_variant(config: BenchConfig, mode: str, device_name: str, steps: int, wa
     T = config.max_seq_len
     torch.manual_seed(0)
     build_start = time.perf_counter()
-    model = build_model(plan.model, device)
+    model = build_model(plan.model, device, precision)
     scale = plan.lr_scale
     optimizer = build_optimizer(model, embedding_lr=cfg.embedding_lr * scale,
                                 unembedding_lr=cfg.unembedding_lr * scale, matrix_lr=cfg.matrix_lr * scale,
@@ -182,7 +182,7 @@ def run_variant(config: BenchConfig, mode: str, device_name: str, steps: int, wa
     step_s = [f + o for f, o in zip(fwd_bwd, optim, strict=True)]
     result = {
         "config": asdict(config), "mode": mode, "device": str(device), "threads": torch.get_num_threads(),
-        "dtype": str(compute_dtype(device)).removeprefix("torch."), "steps": steps,
+        "dtype": precision.name, "steps": steps,
         "total_batch_size": plan.total_batch_size, "micro_batches": len(slices),
         "params": plan.params["total"], "flops_per_token": plan.flops_per_token,
         "build_s": build_s, "first_step_s": first_step_s, "to_first_step_s": first_step_done_at - launched_at,
@@ -195,6 +195,8 @@ def run_variant(config: BenchConfig, mode: str, device_name: str, steps: int, wa
         "user_s_per_step": (usage.ru_utime - usage_before.ru_utime) / steps,
         "sys_s_per_step": (usage.ru_stime - usage_before.ru_stime) / steps,
         "minor_faults_per_step": (usage.ru_minflt - usage_before.ru_minflt) / steps,
+        # the first step's excess over a steady one: compilation, for a compiled model
+        "compile_s": max(0.0, first_step_s - statistics.median(step_s)) if mode == "compile" else 0.0,
     }
     if cuda:
         peak, source = peak_flops(device)
@@ -208,17 +210,19 @@ def child_main(spec: dict) -> int:
     if spec["threads"] > 0:
         torch.set_num_threads(spec["threads"])
     result = run_variant(BenchConfig(**spec["config"]), spec["mode"], spec["device"], spec["steps"],
-                         spec["warmup"], spec["launched_at"],
+                         spec["warmup"], spec["launched_at"], spec["dtype"], spec["fp8_recipe"],
                          log=lambda message: print(message, file=sys.stderr, flush=True))
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 
 
-def launch(config: BenchConfig, mode: str, device: str, args, cache_dir: str) -> dict:
-    """Run one variant in a fresh interpreter with TORCHINDUCTOR_CACHE_DIR=cache_dir."""
+def launch(config: BenchConfig, mode: str, device: str, args, cache_dir: str, dtype: str = "auto",
+           fp8_recipe: str | None = None, env: dict[str, str] | None = None) -> dict:
+    """Run one variant in a fresh interpreter with TORCHINDUCTOR_CACHE_DIR=cache_dir (and `env`)."""
     spec = {"config": asdict(config), "mode": mode, "device": device, "steps": args.steps,
-            "warmup": args.warmup, "threads": args.threads, "launched_at": time.time()}
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+            "warmup": args.warmup, "threads": args.threads, "launched_at": time.time(), "dtype": dtype,
+            "fp8_recipe": fp8_recipe}
+    env = {**os.environ, **(env or {}), "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     done = subprocess.run([sys.executable, "-m", "bench.step", "--child", json.dumps(spec)], env=env,
                           stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -248,24 +252,35 @@ def describe_result(r: dict, cache: str) -> str:
     return line
 
 
-def compare(results: dict[tuple[str, str], dict], name: str) -> list[str]:
-    """Ratios for one configuration: compiled vs eager, each vs nanochat (higher is better)."""
+def compare(results: dict[tuple[str, str, str], dict], name: str, dtype: str) -> list[str]:
+    """Ratios for one configuration in one dtype: compiled vs eager, each vs nanochat (higher is better)."""
     lines = []
-    eager, compiled = results.get((name, "eager")), results.get((name, "compile"))
+    eager, compiled = results.get((name, "eager", dtype)), results.get((name, "compile", dtype))
     if eager and compiled:
         e, c = eager["tok_per_sec"], compiled["tok_per_sec"]
         loss_gap = abs(eager["losses"][0] - compiled["losses"][0])
-        lines.append(f"{name:>5} compile vs eager, steady state: {c / e:.2f}x ({c:,.0f} vs {e:,.0f} tok/s); "
-                     f"first-step loss differs by {loss_gap:.2e}")
+        lines.append(f"{name:>5} {dtype} compile vs eager, steady state: {c / e:.2f}x ({c:,.0f} vs {e:,.0f} "
+                     f"tok/s); first-step loss differs by {loss_gap:.2e}")
     if name in NANOCHAT_TOK_PER_SEC:
         reference = NANOCHAT_TOK_PER_SEC[name]
         cold, warm = NANOCHAT_FIRST_STEP_S[name]
         for mode, r in (("eager", eager), ("compile", compiled)):
             if r:
-                lines.append(f"{name:>5} raychat {mode} vs nanochat ({reference:,} tok/s, first step after "
-                             f"{cold} s cold / {warm} s warm): {r['tok_per_sec'] / reference:.2f}x tok/s, "
-                             f"first step after {r['to_first_step_s']:.0f} s")
+                lines.append(f"{name:>5} raychat {mode} {dtype} vs nanochat ({reference:,} tok/s, first step "
+                             f"after {cold} s cold / {warm} s warm): {r['tok_per_sec'] / reference:.2f}x "
+                             f"tok/s, first step after {r['to_first_step_s']:.0f} s")
     return lines
+
+
+def compare_dtypes(results: dict[tuple[str, str, str], dict], name: str, mode: str) -> list[str]:
+    """bf16 vs fp32 for one configuration and mode: speed and the first losses."""
+    bf16, fp32 = results.get((name, mode, "bf16")), results.get((name, mode, "fp32"))
+    if not (bf16 and fp32):
+        return []
+    loss_gap = max(abs(a - b) for a, b in zip(bf16["losses"], fp32["losses"], strict=False))
+    return [f"{name:>5} {mode} bf16 vs fp32: {bf16['tok_per_sec'] / fp32['tok_per_sec']:.2f}x tok/s "
+            f"({bf16['tok_per_sec']:,.0f} vs {fp32['tok_per_sec']:,.0f}); first losses differ by up to "
+            f"{loss_gap:.3f}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="A,B", help="CPU configurations: A, B (DESIGN's) or specs "
                         "dDEPTHxBATCH[/TOTAL] at head-dim 64, T 512, window L (default: A,B)")
     parser.add_argument("--modes", default="eager,compile", help="eager, compile or both (default: both)")
+    parser.add_argument("--dtypes", default="auto", help="activation dtypes, each a variant: auto, bf16, "
+                        "fp32 (default: auto, what the trainer picks here)")
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per variant (default 8)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, the compiling one "
                         "included (default 2)")
@@ -281,8 +298,6 @@ def main(argv: list[str] | None = None) -> int:
                         "what a lone raychat worker sets)")
     parser.add_argument("--warm", action="store_true", help="also rerun each compiled variant with the "
                         "inductor cache its cold run filled (time to first step with a warm cache)")
-    parser.add_argument("--gpu-configs", default="d12,d20", help="on a CUDA machine: GPU configurations "
-                        "d12, d20 or specs (head-dim 128, T 2048, SSSL), compiled, bf16; '' to skip")
     parser.add_argument("--quick", action="store_true", help="smoke test: a tiny model (d2, T 128, vocab "
                         "4096, 2 micro-batches), 2 timed steps after 1 warm-up")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -293,44 +308,42 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"eager", "compile"}:
         raise RaychatError(f"--modes must list eager and/or compile, got {args.modes!r}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or set(dtypes) - {"auto", *DTYPES}:
+        raise RaychatError(f"--dtypes must list auto, bf16 and/or fp32, got {args.dtypes!r}")
     if args.steps < 1 or args.warmup < 1:
         raise RaychatError("--steps and --warmup must be at least 1 (the first step is never timed)")
     if args.quick:
         args.steps, args.warmup = 2, 1
-        cpu_configs = [QUICK_CPU]
-        gpu_configs = [QUICK_GPU] if args.gpu_configs else []
-    else:
-        cpu_configs = parse_configs(args.configs, CPU_CONFIGS, CPU_CONFIGS["A"])
-        gpu_configs = parse_configs(args.gpu_configs, GPU_CONFIGS, GPU_CONFIGS["d12"])
-    if not torch.cuda.is_available():
-        gpu_configs = []
+    configs = [QUICK_CPU] if args.quick else parse_configs(args.configs, CPU_CONFIGS, CPU_CONFIGS["A"])
 
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads "
           f"{args.threads or torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}; "
           f"{args.steps} timed steps after {args.warmup} warm-up per variant", flush=True)
-    results: dict[tuple[str, str], dict] = {}
+    results: dict[tuple[str, str, str], dict] = {}
     with tempfile.TemporaryDirectory(prefix="raychat_bench_step_") as tmp:
-        for config in cpu_configs:
+        for config in configs:
             print(f"{config.name}: {config.describe()}", flush=True)
-            cache_dir = os.path.join(tmp, f"inductor_{config.name}")
-            for mode in modes:
-                r = launch(config, mode, "cpu", args, cache_dir)
-                results[(config.name, mode)] = r
-                print(describe_result(r, "cold cache" if mode == "compile" else ""), flush=True)
-                if mode == "compile" and args.warm:
-                    warm = launch(config, mode, "cpu", args, cache_dir)
-                    results[(config.name, "compile-warm")] = warm
-                    print(describe_result(warm, "warm cache"), flush=True)
-        for config in gpu_configs:
-            print(f"{config.name} (cuda): {config.describe()}", flush=True)
-            r = launch(config, "compile", "cuda", args, os.path.join(tmp, f"inductor_{config.name}"))
-            results[(config.name, "compile")] = r
-            print(describe_result(r, "cold cache"), flush=True)
+            for dtype in dtypes:
+                cache_dir = os.path.join(tmp, f"inductor_{config.name}_{dtype}")
+                for mode in modes:
+                    r = launch(config, mode, "cpu", args, cache_dir, dtype)
+                    results[(config.name, mode, dtype)] = r
+                    print(f"[{r['dtype']}] " + describe_result(r, "cold cache" if mode == "compile" else ""),
+                          flush=True)
+                    if mode == "compile" and args.warm:
+                        warm = launch(config, mode, "cpu", args, cache_dir, dtype)
+                        results[(config.name, "compile-warm", dtype)] = warm
+                        print(f"[{warm['dtype']}] " + describe_result(warm, "warm cache"), flush=True)
 
     print("\nRatios (higher is faster):")
-    for config in cpu_configs:
-        for line in compare(results, config.name):
-            print(line)
+    for config in configs:
+        for dtype in dtypes:
+            for line in compare(results, config.name, dtype):
+                print(line)
+        for mode in modes:
+            for line in compare_dtypes(results, config.name, mode):
+                print(line)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}", flush=True)
     return 0
 

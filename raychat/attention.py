@@ -13,7 +13,9 @@ Window semantics are FA3's `window_size=(window, 0)`: query i sees keys j with i
 Masks are built once per (T, window, device) and cached; `layer_masks` is the one place that builds
 them and is kept out of torch.compile graphs, so a compiled model takes a single graph break at the
 top of forward instead of one per layer. Set RAYCHAT_ATTENTION=sdpa to use the boolean-mask path
-on CUDA too (a fallback if FlexAttention misbehaves on some GPU).
+on CUDA too (a fallback if FlexAttention misbehaves on some GPU), or RAYCHAT_ATTENTION=flex to run
+the CUDA path on CPU (PyTorch compiles FlexAttention for CPU too: slower than the masked SDPA there,
+but it is how the tests and `bench.gpu --dry-run` exercise the GPU code without a GPU).
 """
 
 import functools
@@ -41,9 +43,9 @@ def attention_backend(device: torch.device, allow_flex: bool = True) -> str:
     choice = os.environ.get("RAYCHAT_ATTENTION", "auto").strip().lower()
     if choice not in ("auto", "flex", "sdpa"):
         raise RaychatError(f"RAYCHAT_ATTENTION must be auto, flex or sdpa, got {choice!r}")
-    if choice == "sdpa" or device.type != "cuda" or not allow_flex:
+    if choice == "sdpa" or not allow_flex:
         return "sdpa"
-    return "flex"
+    return "flex" if choice == "flex" or device.type == "cuda" else "sdpa"
 
 
 def sliding_window_bool_mask(seq_len: int, window: int, device: torch.device) -> Tensor:

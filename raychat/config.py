@@ -54,6 +54,12 @@ class TrainConfig:
                               "(-1 = corpus order, as nanochat reads it)", "data")
     compile: str = _flag("auto", "torch.compile the model: auto (on for CUDA, off on CPU), on, off",
                          "optimization", choices=("auto", "on", "off"))
+    dtype: str = _flag("auto", "activation dtype (weights stay fp32): auto (bf16 on CUDA SM80+, fp32 on "
+                       "CPU), bf16, fp32", "optimization", choices=("auto", "bf16", "fp32"))
+    fp8: bool = _flag(False, "FP8 training of the transformer's large matmuls through torchao (CUDA SM89+; "
+                      "pip install 'raychat[fp8]')", "optimization")
+    fp8_recipe: str = _flag("tensorwise", "FP8 scaling recipe: tensorwise (faster) or rowwise (more "
+                            "accurate)", "optimization", choices=("tensorwise", "rowwise"))
     # --- evaluation and output ---
     eval_every: int = _flag(250, "evaluate validation bits-per-byte every N steps (-1 = only at the end)",
                             "evaluation")
@@ -177,6 +183,10 @@ def add_config_flags(parser: argparse.ArgumentParser, only: set[str] | None = No
                                       help=f"{f.metadata['help']} (default: {default!r})")
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
+        if isinstance(default, bool):  # a switch, as nanochat's --fp8: given means True
+            groups[f.metadata["group"]].add_argument("--" + f.name.replace("_", "-"), action="store_true",
+                                                     **kwargs)
+            continue
         kwargs["type"] = type(default)
         kwargs["metavar"] = {int: "N", float: "X", str: "TEXT"}[type(default)]
         groups[f.metadata["group"]].add_argument("--" + f.name.replace("_", "-"), **kwargs)

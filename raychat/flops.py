@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from raychat.model import compute_dtype
+from raychat.precision import auto_dtype
 
 # (words that must all occur in the device name, dense bf16 FLOP/s). Names are split into words at
 # anything not a letter or digit ("NVIDIA A100-SXM4-80GB" -> nvidia a100 sxm4 80gb), so "a40" does
@@ -85,7 +85,7 @@ def lookup_peak_flops(device_name: str) -> float | None:
 @functools.cache
 def _measured_peak(device: torch.device) -> float:
     """Best FLOP/s of a large square matmul in the device's compute dtype, over ~0.3 s."""
-    dtype = compute_dtype(device)
+    dtype = auto_dtype(device)
     free_bytes, _ = torch.cuda.mem_get_info(device)
     n = 8192 if free_bytes > 2 * 3 * 8192 * 8192 * 4 else 4096
     a = torch.randn(n, n, device=device, dtype=dtype)

@@ -21,7 +21,7 @@ scaling rules need them for models that never get trained), and `to_empty` + `in
 allocate once on the real device. All real values are set in `init_weights`.
 
 Precision: master weights stay fp32 (the optimizer updates them); activations run in the compute
-dtype (bf16 on CUDA SM80+, fp32 elsewhere, RAYCHAT_DTYPE overrides). As in nanochat there is no
+dtype (--dtype, raychat.precision: bf16 on CUDA SM80+, fp32 on CPU by default). As in nanochat there is no
 autocast: the embedding output is cast to the compute dtype and every Linear casts its weight to
 the dtype of its input. Logits and the loss are fp32. (nanochat also stores wte and value_embeds in
 bf16 to save memory; raychat keeps them fp32 so every parameter has one dtype for the optimizer
@@ -44,6 +44,7 @@ from torch import Tensor
 from raychat.attention import AttentionMask, causal_attention, layer_masks
 from raychat.common import RaychatError
 from raychat.fused_loss import softcapped_cross_entropy
+from raychat.precision import Precision, auto_dtype
 
 ROTARY_BASE = 100_000
 ROTARY_OVERCOMPUTE = 10      # rotary tables cover 10x sequence_len, as nanochat's
@@ -52,10 +53,6 @@ LOGIT_SOFTCAP = 15.0
 PAD_VOCAB_TO = 64
 VE_GATE_CHANNELS = 12
 SMEAR_GATE_CHANNELS = 24
-
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
-
 
 @dataclass
 class GPTConfig:
@@ -128,20 +125,6 @@ def window_sizes(config: GPTConfig) -> list[int]:
 def has_value_embedding(layer: int, n_layer: int) -> bool:
     """Alternating layers carry a value embedding, counted back from the last one (always included)."""
     return layer % 2 == (n_layer - 1) % 2
-
-
-def compute_dtype(device: torch.device | str) -> torch.dtype:
-    """The activation dtype on `device`: bf16 on CUDA SM80+, fp32 otherwise (pre-Ampere GPUs would
-    need fp16 with a GradScaler). RAYCHAT_DTYPE=bf16|fp16|fp32 overrides on any device."""
-    forced = os.environ.get("RAYCHAT_DTYPE", "").strip().lower()
-    if forced:
-        if forced not in _DTYPES:
-            raise RaychatError(f"RAYCHAT_DTYPE must be bf16, fp16 or fp32, got {forced!r}")
-        return _DTYPES[forced]
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        return torch.bfloat16
-    return torch.float32
 
 
 RotaryTables = tuple[Tensor, Tensor]  # (cos, sin), each [1, T, 1, head_dim / 2]
@@ -257,12 +240,13 @@ class GPT(nn.Module):
         return angles.cos().to(dtype)[None, :, None, :], angles.sin().to(dtype)[None, :, None, :]
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, dtype: torch.dtype | None = None) -> None:
         """nanochat's init, all in one place (s = sqrt(3 / n_embd): a uniform with std 1/sqrt(n_embd)):
         wte ~ N(0, 0.8); lm_head ~ N(0, 0.001); c_q, c_k, c_v ~ U(-s, s); c_fc ~ U(-0.4s, 0.4s);
         both output projections zero; value embeddings ~ U(-s, s); ve_gate and smear_gate ~ U(0, 0.02);
         resid_lambdas from 1.15 down to 1.05 and x0_lambdas from 0.20 down to 0.05 (linear over
-        layers); smear_lambda 0; backout_lambda 0.2. Deterministic under torch.manual_seed."""
+        layers); smear_lambda 0; backout_lambda 0.2. Deterministic under torch.manual_seed.
+        `dtype` is the compute dtype (default: --dtype auto's choice for the device)."""
         cfg = self.config
         nn.init.normal_(self.transformer.wte.weight, mean=0.0, std=0.8)
         nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
@@ -285,7 +269,7 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             if block.attn.ve_gate is not None:
                 nn.init.uniform_(block.attn.ve_gate.weight, 0.0, 0.02)
-        self.compute_dtype = compute_dtype(self.transformer.wte.weight.device)
+        self.compute_dtype = dtype or auto_dtype(self.transformer.wte.weight.device)
         self.cos, self.sin = self._rotary_tables(self.compute_dtype)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, loss_reduction: str = "mean", *,
@@ -392,37 +376,15 @@ class GPT(nn.Module):
             "matrix": list(self.transformer.h.parameters()),
         }
 
-    @torch.no_grad()
-    def generate(self, tokens: list[int], max_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                 seed: int = 42) -> list[int]:
-        """Sample `max_tokens` continuation tokens of the prompt `tokens`: greedy when temperature is 0,
-        else from softmax(logits / temperature), optionally restricted to the top_k logits. No KV
-        cache: every step re-reads the last sequence_len tokens."""
-        if not tokens:
-            raise RaychatError("generate needs a prompt of at least one token (e.g. the BOS token)")
-        device = self.transformer.wte.weight.device
-        rng = torch.Generator(device=device)
-        rng.manual_seed(seed)
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        new_tokens = []
-        for _ in range(max_tokens):
-            logits = self.forward(ids[:, -self.config.sequence_len:], fixed_length=False)[:, -1, :]
-            if top_k is not None and top_k > 0:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, -float("inf"))
-            if temperature > 0:
-                next_id = torch.multinomial(F.softmax(logits / temperature, dim=-1), 1, generator=rng)
-            else:
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            ids = torch.cat([ids, next_id], dim=1)
-            new_tokens.append(int(next_id.item()))
-        return new_tokens
 
-
-def build_model(config: GPTConfig, device: torch.device | str) -> GPT:
-    """Shapes on meta, storage on `device`, then nanochat's init (seed torch first for repeatability)."""
+def build_model(config: GPTConfig, device: torch.device | str, precision: Precision | None = None) -> GPT:
+    """Shapes on meta, storage on `device`, then nanochat's init (seed torch first for repeatability),
+    in `precision` (default: --dtype auto's for the device, no fp8)."""
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=torch.device(device))
-    model.init_weights()
+    model.init_weights(precision.dtype if precision else None)
+    if precision is not None and precision.fp8_recipe is not None:
+        from raychat.fp8 import convert_to_fp8  # torchao is an optional extra: imported only for --fp8
+        convert_to_fp8(model, precision.fp8_recipe, precision.fp8_emulate)
     return model

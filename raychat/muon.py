@@ -7,7 +7,7 @@ same-shape matrices at once (the matrices of a group a rank owns).
 import torch
 from torch import Tensor
 
-from raychat.model import compute_dtype
+from raychat.precision import auto_dtype
 
 # Polar Express coefficients (a, b, c) of X <- a X + b (X X^T) X + c (X X^T)^2 X, for 5 iterations
 # (safety factor 2e-2, cushion 2), from Amsel et al. 2025, https://arxiv.org/abs/2505.16932
@@ -40,7 +40,7 @@ def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor, second_m
 
     # bf16 where the model computes in bf16 (fast, and the iteration only needs singular values near
     # 1); fp16's exponent range is too narrow, so any other compute dtype keeps the parameter dtype.
-    if compute_dtype(params.device) == torch.bfloat16:
+    if auto_dtype(params.device) == torch.bfloat16:
         x = x.bfloat16()
     # MuonEq (scale every row to the mean row norm, so the spectrum entering the iteration is better
     # conditioned), then normalise the Frobenius norm to just under 1 so every singular value is in range

@@ -12,6 +12,7 @@ import torch
 from raychat.checkpoint import latest_valid_checkpoint, load_checkpoint, read_meta
 from raychat.common import RaychatError, default_storage_path, default_tokenizer_dir, run_cli
 from raychat.evaluate import SAMPLE_PROMPTS
+from raychat.generate import generate
 from raychat.model import GPTConfig, build_model
 from raychat.storage import Storage
 from raychat.tokenizer import Tokenizer, check_vocab
@@ -61,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {ckpt} (step {meta['step']}, val bpb {meta.get('val_bpb')})", flush=True)
     for prompt in args.prompt or SAMPLE_PROMPTS:
         tokens = [tokenizer.bos_id] + tokenizer.encode(prompt)
-        new = model.generate(tokens, max_tokens=args.max_tokens, temperature=args.temperature,
-                             top_k=args.top_k, seed=args.seed)
+        new = generate(model, tokens, max_tokens=args.max_tokens, temperature=args.temperature,
+                       top_k=args.top_k, seed=args.seed)
         print(prompt + tokenizer.decode(new), flush=True)
     return 0
 

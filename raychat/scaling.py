@@ -20,6 +20,7 @@ import torch
 from raychat.common import RaychatError
 from raychat.config import TrainConfig
 from raychat.model import GPT, GPTConfig, gpt_config
+from raychat.precision import describe_precision
 
 REF_DEPTH = 12  # nanochat tuned its hyperparameters at d12 and transfers them from there
 B_REF = 2**19  # tokens per step that is optimal at d12 (measured by nanochat)
@@ -52,6 +53,7 @@ class Plan:
     device_batch_size: int  # rows per micro-batch (at most)
     batch_rule: str  # "auto" (scaling rule) or "flag" (--total-batch-size)
     horizon_rule: str  # the flag that set num_iterations: num_iterations|target_flops|target_param_data_ratio
+    precision: str  # what the workers compute in on the machine that resolved the plan (raychat.precision)
 
     @property
     def total_flops(self) -> int:
@@ -136,6 +138,7 @@ def resolve_plan(cfg: TrainConfig, vocab_size: int, world_size: int = 1) -> Plan
         weight_decay=weight_decay, world_size=world_size, rows_per_step=rows, grad_accum_steps=accum,
         device_batch_size=cfg.device_batch_size, batch_rule="auto" if auto_batch else "flag",
         horizon_rule=horizon_rule,
+        precision=describe_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, cfg.gpus_per_worker),
     )
 
 
@@ -242,6 +245,7 @@ def format_plan(plan: Plan) -> str:
             ("sequence length", f"{m.sequence_len:,}"),
             ("vocab size", f"{m.vocab_size:,}"),
             ("window pattern", m.window_pattern),
+            ("precision", plan.precision),
         ]),
         ("parameters", [(name, f"{count:,}") for name, count in plan.params.items()]
          + [("scaling (matrices+lm_head)", f"{plan.scaling_params:,}")]),

@@ -32,6 +32,7 @@ from raychat.corpus_budget import corpus_budget_lines
 from raychat.corpus_check import validate_corpus
 from raychat.default_corpus import prepare_default_corpus
 from raychat.elastic import PlannedResizeSave, final_metrics, start_coordinator
+from raychat.precision import check_precision
 from raychat.resume import driver_choice
 from raychat.runtime_env import worker_runtime_env
 from raychat.scaling import format_plan, resolve_plan
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_config_flags(parser)
     cfg = config_from_args(parser.parse_args(argv))
+    check_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, cfg.gpus_per_worker)
     paths = RunPaths.resolve(cfg)
     Storage(paths.storage_path).check_writable()
     tokenizer = prepare_inputs(cfg, paths)

@@ -29,6 +29,7 @@ from raychat.elastic import coordinator_name, describe_attempt
 from raychat.evaluate import SAMPLE_PROMPTS, evaluate_bpb
 from raychat.flops import mfu as compute_mfu
 from raychat.flops import peak_flops
+from raychat.generate import generate
 from raychat.loader import TrainLoader, merge_cursor, val_loader
 from raychat.metrics import (
     RayMetrics,
@@ -41,6 +42,7 @@ from raychat.metrics import (
 )
 from raychat.model import build_model
 from raychat.optim import build_optimizer
+from raychat.precision import configure_matmuls, resolve_precision
 from raychat.resume import Restore, candidates
 from raychat.saver import CheckpointSaver
 from raychat.scaling import (
@@ -170,7 +172,9 @@ def setup(config: dict) -> Worker:
     first_meta = restore.meta
 
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights without a broadcast
-    orig_model = build_model(plan.model, device)
+    precision = resolve_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, device)
+    configure_matmuls(device)
+    orig_model = build_model(plan.model, device, precision)
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
     model = torch.compile(orig_model, dynamic=False) if use_compile else orig_model
     optimizer = build_optimizer(
@@ -225,7 +229,7 @@ def setup(config: dict) -> Worker:
     # One id per start of the worker group (rank 0's), so a trace can tell redone steps apart.
     worker.attempt = gather(f"{time.time():.3f}")[0] if trace_dir else ""
     log(f"Training {plan.num_iterations} steps on {world_size} worker(s), {offset} rows/step on rank 0 "
-        f"in micro-batches {[s.stop - s.start for s in micro_slices]}, device {device}")
+        f"in micro-batches {[s.stop - s.start for s in micro_slices]}, device {device}, {precision.name}")
     return worker
 
 
@@ -268,7 +272,7 @@ def sample(w: Worker) -> None:
     w.orig_model.eval()
     for prompt in SAMPLE_PROMPTS:
         tokens = [w.tokenizer.bos_id] + w.tokenizer.encode(prompt)
-        w.log(prompt + w.tokenizer.decode(w.orig_model.generate(tokens, max_tokens=16, temperature=0.0)))
+        w.log(prompt + w.tokenizer.decode(generate(w.orig_model, tokens, max_tokens=16, temperature=0.0)))
     w.orig_model.train()
 
 

@@ -92,7 +92,8 @@ def test_masks_are_cached_and_skipped_when_window_covers_sequence():
 def test_backend_choice(monkeypatch):
     assert attention_backend(torch.device("cpu")) == "sdpa"
     monkeypatch.setenv("RAYCHAT_ATTENTION", "flex")
-    assert attention_backend(torch.device("cpu")) == "sdpa"  # no FlexAttention kernels off CUDA
+    assert attention_backend(torch.device("cpu")) == "flex"  # the CUDA path, compiled for CPU
+    assert attention_backend(torch.device("cpu"), allow_flex=False) == "sdpa"
     monkeypatch.delenv("RAYCHAT_ATTENTION")
     assert attention_backend(torch.device("cuda", 0)) == "flex"  # decided by name: no GPU needed
     assert attention_backend(torch.device("cuda", 0), allow_flex=False) == "sdpa"
@@ -116,3 +117,51 @@ def test_flex_block_mask_matches_reference(n_head, n_kv_head):
     assert isinstance(block_mask, BlockMask)
     got = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=n_head != n_kv_head)
     torch.testing.assert_close(got, reference_attention(q, k, v, window), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("n_head,n_kv_head", [(4, 4), (4, 2)])
+def test_compiled_flex_on_cpu_matches_masked_sdpa(monkeypatch, n_head, n_kv_head):
+    """The CUDA path as the model runs it (layer_masks -> BlockMask -> compiled FlexAttention), on CPU,
+    for the windows of a 4-layer SSSL model at T 256 (S = 128, the last layer L: plain causal SDPA),
+    against the masked-SDPA path. fp32; measured differences ~1e-7, asserted 1e-5."""
+    from raychat.model import GPTConfig, window_sizes
+
+    T = 256
+    windows = window_sizes(GPTConfig(sequence_len=T, n_layer=4, window_pattern="SSSL"))
+    assert windows == [128, 128, 128, 256]
+    q, k, v = random_qkv(T, n_head, n_kv_head, dtype=torch.float32, seed=11)
+    sdpa_masks = layer_masks(T, windows, torch.device("cpu"))
+    monkeypatch.setenv("RAYCHAT_ATTENTION", "flex")
+    flex_masks = layer_masks(T, windows, torch.device("cpu"))
+    assert [type(m).__name__ for m in flex_masks] == ["BlockMask"] * 3 + ["NoneType"]
+    for window, flex_mask, sdpa_mask in zip(windows, flex_masks, sdpa_masks, strict=True):
+        got = causal_attention(q, k, v, window, flex_mask)
+        want = causal_attention(q, k, v, window, sdpa_mask)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the window matters here: a full causal attention differs (so the comparison can fail)
+    assert (causal_attention(q, k, v, T) - causal_attention(q, k, v, 128, sdpa_masks[0])).abs().amax() > 1e-2
+
+
+def test_flex_block_mask_gradients_are_the_masked_sdpa_gradients():
+    """PyTorch 2.13 has no FlexAttention backward on CPU (it raises), so the GPU path's gradients are
+    checked through what defines them: the block mask's mask_mod, evaluated densely over all (q, kv),
+    must be the SDPA bool mask, and its block table must list every block holding an allowed pair.
+    Then SDPA with that mask has the SDPA path's gradients, exactly."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    T, window = 384, 128
+    block_mask = _cached_mask(T, window, torch.device("cpu"), "flex")
+    dense = create_mask(block_mask.mask_mod, None, None, T, T, device="cpu")[0, 0]
+    bool_mask = sliding_window_bool_mask(T, window, torch.device("cpu"))
+    assert torch.equal(dense, bool_mask)
+    blocks = block_mask.to_dense()[0, 0].bool()  # [T/128, T/128]: blocks the kernel visits
+    visited = blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert not (bool_mask & ~visited).any()
+    assert blocks.sum() == 5  # by hand: diagonal blocks 3 + the one below each of 2 = 5, not all 6 lower
+    q, k, v = (t.requires_grad_() for t in random_qkv(T, 2, 2, dtype=torch.float32, seed=13))
+    grads = []
+    for mask in (dense, bool_mask):
+        out = causal_attention(q, k, v, window, mask)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

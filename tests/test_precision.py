@@ -1,0 +1,80 @@
+"""--dtype and --fp8: what runs where, and the one-line refusals the driver gives before any worker
+starts (this machine's CPU and a CUDA device by name; no GPU needed)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from raychat import precision
+from raychat.common import RaychatError
+from raychat.precision import Precision, describe_precision, resolve_precision
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+
+
+def test_cpu_flag_is_read_from_cpuinfo():
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    assert precision.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+def test_auto_is_fp32_on_every_cpu(monkeypatch):
+    for native in (False, True):
+        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
+        assert resolve_precision("auto", False, "tensorwise", CPU) == Precision(torch.float32, None, False)
+        assert resolve_precision("fp32", False, "tensorwise", CPU).dtype == torch.float32
+
+
+def test_bf16_on_cpu_needs_native_bf16(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert resolve_precision("bf16", False, "tensorwise", CPU).name == "bf16"
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    with pytest.raises(RaychatError, match=r"^--dtype bf16: .*use --dtype fp32"):
+        resolve_precision("bf16", False, "tensorwise", CPU)
+
+
+def test_fp8_on_cpu_only_emulated(monkeypatch):
+    monkeypatch.delenv("RAYCHAT_FP8_EMULATE", raising=False)
+    with pytest.raises(RaychatError, match=r"^--fp8 needs a CUDA GPU of SM89.*the CPU.*drop --fp8"):
+        resolve_precision("auto", True, "tensorwise", CPU)
+    monkeypatch.setenv("RAYCHAT_FP8_EMULATE", "1")
+    got = resolve_precision("fp32", True, "rowwise", CPU)
+    assert got == Precision(torch.float32, "rowwise", True)
+    assert got.name == "fp32 + fp8 rowwise (emulated)"
+    with pytest.raises(RaychatError, match="--fp8-recipe"):
+        resolve_precision("auto", True, "axiswise", CPU)
+
+
+def test_plan_line_says_what_runs_and_never_raises(monkeypatch):
+    monkeypatch.delenv("RAYCHAT_FP8_EMULATE", raising=False)
+    assert describe_precision("auto", False, "tensorwise", 0) == \
+        "fp32 on CPU (auto: bf16 on CUDA SM80+, fp32 on CPU)"
+    refused = describe_precision("auto", True, "tensorwise", 0)
+    assert refused.startswith("refused on this machine (CPU): --fp8")
+
+
+def test_plan_json_has_the_precision():
+    command = ["raychat.plan", "--preset", "cpu", "--dtype", "fp32", "--json"]
+    out = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert '"precision": "fp32 on CPU"' in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+@pytest.mark.parametrize("flags,message", [
+    (["--fp8"], "raychat: error: --fp8 needs a CUDA GPU of SM89 or newer"),
+    *([] if precision.cpu_has_native_bf16()
+      else [(["--dtype", "bf16"], "raychat: error: --dtype bf16: this CPU")]),
+])
+def test_driver_refuses_before_any_worker(tmp_path, flags, message):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAYCHAT_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "raychat.train", "--preset", "cpu", *flags],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and out.stderr.startswith(message)
+    assert not (tmp_path / "home").exists()  # refused before preparing a corpus or starting Ray
