@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_training import adamw_losses
 
 from raychat.attention import layer_masks
 from raychat.common import RaychatError
@@ -218,15 +219,7 @@ def test_sequence_beyond_rotary_cache_fails_clearly():
 def test_training_steps_lower_the_loss():
     model = tiny_model(vocab_size=64)
     batch = torch.randint(0, 64, (4, 33))
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(15):
-        loss = model(inputs, targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = adamw_losses(model, batch[:, :-1], batch[:, 1:], steps=15, lr=1e-2)
     assert losses[0] == pytest.approx(math.log(64), abs=0.02)
     assert losses[-1] < 0.5 * losses[0]
     assert all(p.grad is not None for p in model.parameters())  # every parameter takes part
@@ -484,14 +477,7 @@ def test_compiled_sssl_training_matches_eager():
     for compiled in (False, True):
         model = tiny_model(**shape)
         step_model = torch.compile(model, dynamic=False) if compiled else model
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        losses = []
-        for _ in range(3):
-            loss = step_model(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+        losses = adamw_losses(model, x, y, steps=3, lr=3e-3, step_model=step_model)
         runs.append((losses, model.transformer.h[0].attn.c_q.weight.detach().clone()))
     (eager_losses, eager_w), (compiled_losses, compiled_w) = runs
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-4)
