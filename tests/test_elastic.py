@@ -9,6 +9,8 @@ resize."""
 
 import json
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -66,12 +68,19 @@ def last_traced_step(trace: Path) -> int:
     return max(steps, default=-1)
 
 
-def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
+def test_lose_a_node_shrink_get_it_back_grow(cluster, ray_session, tiny_corpus, tmp_path, request):
     c, nodes = cluster
     data_dir, _ = tiny_corpus
     storage = str(tmp_path / "runs")
     trace = tmp_path / "trace"
     trace.mkdir()
+    # The uninterrupted reference (3 workers throughout) runs meanwhile on the session's cluster.
+    fixed = [("3" if flag == "2:3" else flag) for flag in ELASTIC]
+    reference = subprocess.Popen([sys.executable, "-m", "raychat.train",
+                                  *tiny_flags(tiny_corpus, storage, "reference", *fixed)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 env=ray_session.driver_env())
+    request.addfinalizer(lambda: reference.poll() is None and reference.kill())
     client = JobSubmissionClient(f"http://{c.head_node.address_info['webui_url']}")
     flags = tiny_flags(tiny_corpus, storage, "elastic", *ELASTIC)
     job = client.submit_job(entrypoint=" ".join(["python -m raychat.train", *flags]),
@@ -137,14 +146,13 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
         assert gauges.get(f"ray_raychat_{name}"), name
     assert all(0 < v < 20 for v in gauges["ray_raychat_loss"])
 
-    # Same final val bpb as an uninterrupted run at the same global batch, within a resize's noise.
-    fixed = [("3" if flag == "2:3" else flag) for flag in ELASTIC]
-    reference_flags = tiny_flags(tiny_corpus, storage, "reference", *fixed)
-    reference = client.submit_job(entrypoint=" ".join(["python -m raychat.train", *reference_flags]))
-    while client.get_job_status(reference) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
-        time.sleep(1)
-    reference_logs = client.get_job_logs(reference)
-    assert client.get_job_status(reference) == JobStatus.SUCCEEDED, reference_logs[-3000:]
+    # Same final val bpb as the uninterrupted run at the same global batch, within a resize's noise.
+    try:
+        reference_logs, _ = reference.communicate(timeout=600)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+    assert reference.returncode == 0, reference_logs[-3000:]
     final_bpb = [float(m.group(2)) for m in log_lines(logs, VAL_LINE) if int(m.group(1)) == 90]
     reference_bpb = [float(m.group(2)) for m in log_lines(reference_logs, VAL_LINE) if int(m.group(1)) == 90]
     assert final_bpb and reference_bpb

@@ -119,12 +119,15 @@ def load_sweep(path: str) -> list[Trial]:
 
 def one_result_per_step(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A trial restarted from a checkpoint redoes (and reports again) the steps after it: keep the
-    latest report of each step, in step order, so every (trial, step) counts once."""
+    latest report of each step, in step order, so every (trial, step) counts once. Reports without a
+    step (not raychat's) are kept as they are."""
     by_step: dict[Any, dict[str, Any]] = {}
     for result in results:
-        by_step.pop(result.get("step"), None)  # re-insert: the latest report takes the latest place
-        by_step[result.get("step")] = result
-    return sorted(by_step.values(), key=lambda r: (r.get("step") is None, r.get("step") or 0))
+        key = result["step"] if result.get("step") is not None else ("report", id(result))
+        by_step.pop(key, None)  # re-insert: the latest report takes the latest place
+        by_step[key] = result
+    stepped = sorted((r for r in by_step.values() if r.get("step") is not None), key=lambda r: r["step"])
+    return stepped + [r for r in by_step.values() if r.get("step") is None]
 
 
 def trial_row(trial: Trial) -> dict[str, Any]:
@@ -257,12 +260,12 @@ def plot_iso_flop(points: list[tuple[float, float, float, float]], result: Compu
     save_figure(iso_flop_figure(points, result), path)
 
 
-def write_report(path: str, out: str, log=print) -> list[dict[str, Any]]:
+def write_report(path: str, out: str | Path, log=print) -> list[dict[str, Any]]:
     """Table (printed + trials.csv) and plots of the sweep at `path`, written to `out` (a local
     directory or a URI: the files are made in a temporary directory, then copied there)."""
     with tempfile.TemporaryDirectory(prefix="raychat-report-") as tmp:
         rows, written = _write_report_files(path, Path(tmp), log)
-        target = Storage(out)
+        target = Storage.of(out)
         for file in written:
             target.write_bytes(file.name, file.read_bytes())
     log("Wrote " + ", ".join(join_uri(target.location, f.name) for f in written))
