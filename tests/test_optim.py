@@ -14,13 +14,6 @@ from raychat.model import build_model, gpt_config
 from raychat.muon import POLAR_EXPRESS_COEFFS
 from raychat.optim import MuonAdamW, build_optimizer
 
-
-@pytest.fixture(autouse=True)
-def fp32_compute(monkeypatch):
-    """Muon orthogonalises in the model's compute dtype: keep it the parameters' dtype on CPU."""
-    monkeypatch.delenv("RAYCHAT_DTYPE", raising=False)
-
-
 # ---- the reference ---------------------------------------------------------------------------
 
 
