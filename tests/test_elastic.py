@@ -28,11 +28,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200)]
 
 NODE = {"num_cpus": 1, "object_store_memory": 150 * 2**20}
 # 3 workers of 1 CPU, one per node (SPREAD); 2048-token steps, a few hundred ms each on this machine.
+STEPS = 240  # long enough that the grow (Ray's 5 s resize check, a new group: ~30 s) comes before the end
 ELASTIC = ["--num-workers", "2:3", "--cpus-per-worker", "1", "--placement-strategy", "SPREAD",
-           "--resize-check-every", "5", "--total-batch-size", "2048", "--num-iterations", "90",
-           "--eval-every", "30", "--save-every", "10", "--max-failures", "3"]
-# How far a 2 -> 1 resize of this tiny model moves the final val bpb (data order changes, the set
-# does not): measured 0.002-0.03 on this machine; allowed: 0.06.
+           "--resize-check-every", "5", "--total-batch-size", "2048", "--num-iterations", str(STEPS),
+           "--eval-every", "80", "--save-every", "10", "--max-failures", "3"]
+# How far resizes may move the final val bpb of this tiny model (after a resize the order of the
+# documents differs, the set does not; the global batch is the same): 0.06 bits per byte.
 BPB_TOLERANCE = 0.06
 
 
@@ -100,8 +101,7 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, ray_session, tiny_corpus, 
         if "lost" not in events and step >= 15:
             c.remove_node(nodes.pop(), allow_graceful=False)  # a preempted node: no drain, no notice
             events["lost"], events["lost_at_step"] = time.monotonic(), step
-        elif "lost" in events and "back" not in events and world_sizes_by_attempt(trace)[-1] == 2 \
-                and step >= events["lost_at_step"] + 10:
+        elif "lost" in events and "back" not in events and world_sizes_by_attempt(trace)[-1] == 2:
             nodes.append(c.add_node(**NODE, metrics_export_port=free_port()))
             ports.append(nodes[-1].metrics_export_port)
             events["back"] = time.monotonic()
@@ -130,8 +130,8 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, ray_session, tiny_corpus, 
     # Exactly once: the final timeline trained every epoch-1 document once (or holds it in flight).
     run = Storage(storage).child("elastic")
     final = read_meta(latest_valid_checkpoint(run))
-    assert final["step"] == 90 and final["world_size"] == 3
-    assert sorted(read_trace(trace)) == list(range(90))
+    assert final["step"] == STEPS and final["world_size"] == 3
+    assert sorted(read_trace(trace)) == list(range(STEPS))
     assert_epoch1_exactly_once(trace, data_dir, final["cursor"])
     # Only the failure redid steps: each step trained by more than one attempt lies before the grow.
     redone = sorted(s for s, attempts in attempts_by_step(trace).items() if len(attempts) > 1)
@@ -153,7 +153,8 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, ray_session, tiny_corpus, 
         if reference.poll() is None:
             reference.kill()
     assert reference.returncode == 0, reference_logs[-3000:]
-    final_bpb = [float(m.group(2)) for m in log_lines(logs, VAL_LINE) if int(m.group(1)) == 90]
-    reference_bpb = [float(m.group(2)) for m in log_lines(reference_logs, VAL_LINE) if int(m.group(1)) == 90]
+    final_bpb = [float(m.group(2)) for m in log_lines(logs, VAL_LINE) if int(m.group(1)) == STEPS]
+    reference_bpb = [float(m.group(2)) for m in log_lines(reference_logs, VAL_LINE)
+                     if int(m.group(1)) == STEPS]
     assert final_bpb and reference_bpb
     assert abs(final_bpb[-1] - reference_bpb[-1]) < BPB_TOLERANCE, (final_bpb, reference_bpb)

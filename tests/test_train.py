@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 import torch
-from trace_audit import assert_epoch1_exactly_once
+from trace_audit import assert_epoch1_exactly_once, attempts_by_step
 
 from raychat.checkpoint import OPTIM_FILE, is_complete, list_checkpoints, read_meta
 from raychat.storage import Storage
@@ -169,7 +169,11 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
                 proc.kill()
     assert crashed.returncode == 0, crashed_out[-3000:]
     assert reference.returncode == 0, reference_out[-3000:]
-    assert "Resumed from" in crashed_out and "at step 6" in crashed_out, crashed_out[-4000:]
+    # The restarted group resumed from the step-6 checkpoint (from the trace: worker output reaches the
+    # driver best-effort, and a restarted worker's last lines can still be in flight when it exits).
+    attempts = sorted({a for s in attempts_by_step(trace).values() for a in s}, key=float)
+    assert len(attempts) == 2, attempts
+    assert min(step for step, s in attempts_by_step(trace).items() if attempts[1] in s) == 6
     ref_state = final_model_state(Storage(storage).child("reference"))
     crash_state = final_model_state(Storage(storage).child("crashed"))
     assert ref_state.keys() == crash_state.keys()
