@@ -59,7 +59,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop_processes_under(marker: str) -> None:
+def stop_processes_under(marker: str) -> None:
     """Stop every process whose command line mentions `marker` (our cluster's temp dir)."""
     import psutil
 
@@ -118,7 +118,7 @@ def ray_session(raychat_home):
         yield cluster
     finally:
         ray.shutdown()
-        _stop_processes_under(temp_dir)
+        stop_processes_under(temp_dir)
         time.sleep(0.5)
         shutil.rmtree(temp_dir, ignore_errors=True)
 

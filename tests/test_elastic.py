@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import free_port, stop_processes_under
 from ray.job_submission import JobStatus, JobSubmissionClient
 from test_train import VAL_LINE, log_lines, tiny_flags
 from trace_audit import assert_epoch1_exactly_once, attempts_by_step, read_trace, world_sizes_by_attempt
@@ -48,10 +48,12 @@ def cluster():
         "dashboard_port": free_port(), "metrics_export_port": free_port(),
         "object_store_memory": 150 * 2**20})
     nodes = [c.add_node(**NODE, metrics_export_port=free_port()) for _ in range(3)]
+    session_dir = c.head_node.get_session_dir_path()
     try:
         yield c, nodes
     finally:
         c.shutdown()
+        stop_processes_under(session_dir)  # agents that outlive their raylet
 
 
 def scrape_world_sizes(ports: list[int], seen: dict[str, set[float]]) -> None:
