@@ -21,6 +21,7 @@ from typing import Any
 import ray.train
 import torch
 import torch.distributed as dist
+from ray.train.v2._internal.execution.context import get_train_context
 
 import raychat
 from raychat.evaluate import SAMPLE_PROMPTS, evaluate_bpb
@@ -158,8 +159,6 @@ def _preemption_noticed(w: Worker) -> float:
     step (ray/train/v2/_internal/execution/train_fn_utils.py, get_preemption_info)."""
     if w.preempt_saved:
         return 0.0
-    from ray.train.v2._internal.execution.context import get_train_context
-
     context = getattr(get_train_context(), "preemption_context", None)
     return float(getattr(context, "preemption_info", None) is not None)
 
