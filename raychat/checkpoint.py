@@ -209,22 +209,24 @@ def _check_sizes(directory: Storage, files: dict[str, dict]) -> None:
             raise CheckpointDamaged(f"{name} has {size} bytes, the manifest says {entry.get('bytes')}")
 
 
-def _read_verified(directory: Storage, name: str, entry: dict) -> bytes:
-    """A file's bytes, read once with its sha256 computed on the way; damage raises."""
-    digest, buffer = hashlib.sha256(), io.BytesIO()
+def _read_verified(directory: Storage, name: str, entry: dict, keep: bool = True) -> bytes:
+    """A file's bytes, read once with its sha256 computed on the way; damage raises. keep=False
+    only verifies: nothing is held in memory (the driver's pass over a multi-GB checkpoint)."""
+    digest, buffer, size = hashlib.sha256(), io.BytesIO(), 0
     try:
         with directory.open_input(name) as f:
             while chunk := f.read(_READ_CHUNK):
                 digest.update(chunk)
-                buffer.write(chunk)
+                size += len(chunk)
+                if keep:
+                    buffer.write(chunk)
     except FileNotFoundError:
         raise CheckpointDamaged(f"{name} is missing") from None
-    data = buffer.getvalue()
-    if len(data) != entry.get("bytes"):
-        raise CheckpointDamaged(f"{name} has {len(data)} bytes, the manifest says {entry.get('bytes')}")
+    if size != entry.get("bytes"):
+        raise CheckpointDamaged(f"{name} has {size} bytes, the manifest says {entry.get('bytes')}")
     if digest.hexdigest() != entry.get("sha256"):
         raise CheckpointDamaged(f"{name} does not match its sha256 in the manifest")
-    return data
+    return buffer.getvalue()
 
 
 def damage(directory: Location, deep: bool = True) -> str | None:
@@ -241,7 +243,7 @@ def damage(directory: Location, deep: bool = True) -> str | None:
         _check_sizes(directory, files)
         if deep:
             for name, entry in files.items():
-                _read_verified(directory, name, entry)
+                _read_verified(directory, name, entry, keep=False)
     except CheckpointDamaged as e:
         return str(e)
     return None
