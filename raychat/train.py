@@ -26,6 +26,7 @@ from raychat.common import (
     default_tokenizer_dir,
     run_cli,
 )
+from raychat.compile_check import check_compile
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.console import install_driver_printer, plain_when_redirected
 from raychat.corpus_budget import corpus_budget_lines
@@ -113,12 +114,14 @@ def check_resumable(cfg: TrainConfig, paths: RunPaths, tokenizer: Tokenizer, log
 
 
 def build_trainer(cfg: TrainConfig, *, session: str, resume_from: Storage | None = None,
-                  run_config_overrides: dict | None = None, callbacks: list | None = None) -> TorchTrainer:
+                  run_config_overrides: dict | None = None, callbacks: list | None = None,
+                  compile_checked: bool = False) -> TorchTrainer:
     """The TorchTrainer for one raychat run (used by the CLI and by every tune.sweep trial).
 
     `session` names this driver's run (a new one each time): checkpoints carry it, so a restarted
     worker group resumes from what this run wrote and a new run from the driver's choice; the run's
-    coordinator actor (raychat.elastic) is named after it."""
+    coordinator actor (raychat.elastic) is named after it. `compile_checked`: the driver already
+    compiled on the workers' device type (raychat.compile_check), so the workers need not."""
     # The dashboard's Train view (runs, attempts, workers) needs Ray Train's state tracking, which
     # is off by default in Ray 2.60 and read here, where the trainer is built.
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
@@ -157,6 +160,7 @@ def build_trainer(cfg: TrainConfig, *, session: str, resume_from: Storage | None
             "storage_path": paths.storage_path,
             "session": session,
             "resume_from": resume_from.name if resume_from is not None else None,
+            "compile_checked": compile_checked,
         },
         scaling_config=scaling,
         run_config=RunConfig(**run_kwargs),
@@ -196,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     add_config_flags(parser)
     cfg = config_from_args(parser.parse_args(argv))
     check_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, cfg.gpus_per_worker)
+    compile_checked = check_compile(cfg.compile, cfg.gpus_per_worker)
     paths = RunPaths.resolve(cfg)
     Storage(paths.storage_path).check_writable()
     tokenizer = prepare_inputs(cfg, paths)
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
     connect_ray(max_workers)
     session = uuid.uuid4().hex
-    trainer = build_trainer(cfg, session=session, resume_from=resume_from)
+    trainer = build_trainer(cfg, session=session, resume_from=resume_from, compile_checked=compile_checked)
     clear_stop_note(paths.storage_path, cfg.name)
     t0 = time.time()
     try:

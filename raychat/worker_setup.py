@@ -16,6 +16,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
+from raychat.compile_check import probe_compile, uses_compile
 from raychat.config import TrainConfig
 from raychat.console import log_line
 from raychat.corpus_index import CorpusIndex, read_corpus_meta
@@ -127,6 +128,9 @@ def setup(config: dict) -> Worker:
         if master:
             log_line(message)
 
+    use_compile = uses_compile(cfg.compile, device)
+    if use_compile and not config.get("compile_checked"):
+        probe_compile(device)  # one line instead of a traceback at the first forward
     tokenizer = Tokenizer.load(config["tokenizer_dir"])
     plan = resolve_plan(cfg, tokenizer.vocab_size, world_size)
     run = Storage(config["storage_path"]).child(cfg.name)
@@ -155,7 +159,6 @@ def setup(config: dict) -> Worker:
     precision = resolve_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, device)
     configure_matmuls(device)
     orig_model = build_model(plan.model, device, precision)
-    use_compile = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
     model = torch.compile(orig_model, dynamic=False) if use_compile else orig_model
     optimizer = build_optimizer(
         orig_model,

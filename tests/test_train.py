@@ -209,31 +209,54 @@ def test_resize_two_to_one_consumes_every_doc_once(ray_session, tiny_corpus, tmp
     assert trained > sum(unit.num_rows for unit in index.train) // 3
 
 
-def test_job_submit_to_running_cluster(ray_session, tiny_corpus, tmp_path):
+def submit_job(ray_session, train_flags: list[str], runtime_env: dict | None = None) -> tuple[str, str]:
+    """`ray job submit` of a raychat.train run to the shared cluster; its final status and its logs."""
     ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
     env = ray_session.driver_env()
     env.pop("RAY_ADDRESS")
-    submit = subprocess.run(
-        [ray_bin, "job", "submit", "--address", ray_session.dashboard_url, "--no-wait", "--",
-         sys.executable, "-m", "raychat.train",
-         *tiny_flags(tiny_corpus, tmp_path, "job", "--num-workers", "1", "--total-batch-size", "512",
-                     "--num-iterations", "4", "--eval-every", "-1")],
-        capture_output=True, text=True, timeout=120, env=env)
+    address = ["--address", ray_session.dashboard_url]
+    extra = ["--runtime-env-json", json.dumps(runtime_env)] if runtime_env else []
+    submit = subprocess.run([ray_bin, "job", "submit", *address, "--no-wait", *extra, "--",
+                             sys.executable, "-m", "raychat.train", *train_flags],
+                            capture_output=True, text=True, timeout=120, env=env)
     assert submit.returncode == 0, submit.stderr
     job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
     status = ""
     deadline = time.time() + 300
     while time.time() < deadline:
-        status = subprocess.run([ray_bin, "job", "status", "--address", ray_session.dashboard_url, job_id],
+        status = subprocess.run([ray_bin, "job", "status", *address, job_id],
                                 capture_output=True, text=True, timeout=60, env=env).stdout
         if any(s in status.upper() for s in ("SUCCEEDED", "FAILED", "STOPPED")):
             break
         time.sleep(2)
-    logs = subprocess.run([ray_bin, "job", "logs", "--address", ray_session.dashboard_url, job_id],
+    logs = subprocess.run([ray_bin, "job", "logs", *address, job_id],
                           capture_output=True, text=True, timeout=60, env=env).stdout
+    return status, logs
+
+
+def test_job_submit_to_running_cluster(ray_session, tiny_corpus, tmp_path):
+    status, logs = submit_job(ray_session, tiny_flags(
+        tiny_corpus, tmp_path, "job", "--num-workers", "1", "--total-batch-size", "512",
+        "--num-iterations", "4", "--eval-every", "-1"))
     assert "SUCCEEDED" in status.upper(), status + logs[-3000:]
     assert (tmp_path / "job" / "checkpoint_000004" / "meta.json").exists()
     assert {int(m.group(1)) for m in log_lines(logs, STEP_LINE)} == {0, 1, 2, 3}
+
+
+def test_job_whose_workers_cannot_compile_fails_with_one_line(ray_session, tiny_corpus, tmp_path):
+    """Under `ray job submit` the driver's machine is not the workers', so the workers check torch.compile
+    themselves: here their nodes have no C++ compiler for inductor (a fresh inductor cache, so nothing
+    compiled earlier can stand in), and the job ends with the one line instead of a traceback."""
+    no_compiler = {"env_vars": {"CXX": "/nonexistent/g++",
+                                "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}}
+    status, logs = submit_job(ray_session, tiny_flags(
+        tiny_corpus, tmp_path, "job", "--num-workers", "1", "--total-batch-size", "512",
+        "--num-iterations", "4", "--compile", "on", "--max-failures", "0"), no_compiler)
+    assert "FAILED" in status.upper(), status + logs[-3000:]
+    errors = [line for line in logs.splitlines() if line.startswith("raychat: error:")]
+    assert len(errors) == 1, logs[-3000:]
+    assert errors[0].startswith("raychat: error: --compile:") and "run with --compile off" in errors[0]
+    assert not list(tmp_path.glob("job/checkpoint_*"))
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:

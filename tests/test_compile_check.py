@@ -1,0 +1,51 @@
+"""--compile on where torch.compile cannot work: one line before any worker starts, not a traceback
+from inside one. The failure is real: inductor's CPU kernels need a C++ compiler, and CXX points at
+none (with a fresh inductor cache, so nothing compiled earlier stands in)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from raychat.common import RaychatError
+from raychat.compile_check import probe_compile, uses_compile
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+
+
+def test_auto_compiles_on_cuda_only():
+    assert uses_compile("auto", torch.device("cuda")) and not uses_compile("auto", CPU)
+    assert uses_compile("on", CPU) and not uses_compile("off", torch.device("cuda"))
+
+
+def test_probe_passes_where_compile_works():
+    probe_compile(CPU)
+
+
+def test_probe_names_the_flag_and_the_cause(monkeypatch, tmp_path):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
+    torch._dynamo.reset()
+    refusal = r"^--compile: .*No working C\+\+ compiler.*run with --compile off$"
+    with pytest.raises(RaychatError, match=refusal):
+        probe_compile(CPU)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the workers would run on CUDA")
+def test_driver_refuses_compile_on_before_any_worker(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAYCHAT_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": str(ROOT), "CXX": "/nonexistent/g++",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-m", "raychat.train", "--preset", "cpu", "--compile", "on"],
+                         capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr[-2000:]
+    refusal = "raychat: error: --compile: torch.compile does not work on this machine's cpu"
+    assert out.stderr.startswith(refusal)
+    assert out.stderr.strip().endswith("run with --compile off")
+    assert not (tmp_path / "home").exists()  # refused before preparing a corpus or starting Ray
