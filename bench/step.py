@@ -106,6 +106,35 @@ def parse_configs(text: str, named: dict[str, BenchConfig], base: BenchConfig) -
 # One variant, in its own process
 
 
+def matmul_floor_s(model: torch.nn.Module, rows_per_micro_batch: list[int], dtype: torch.dtype,
+                   device: torch.device) -> float:
+    """Seconds one optimizer step spends in its Linear layers' matmuls alone, timed here at the step's
+    own shapes: per micro-batch of N rows and per Linear (out x in), the forward N x in @ in x out and
+    the backward's grad-input and grad-weight products, each at the BLAS's full speed on contiguous
+    inputs. Attention, elementwise work and the optimizer are left out, so no implementation of this
+    model can take less time per step on this machine: tokens / this is a ceiling on tok/s."""
+    shapes: dict[tuple[int, int], int] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            shapes[tuple(module.weight.shape)] = shapes.get(tuple(module.weight.shape), 0) + 1
+    total = 0.0
+    for n in set(rows_per_micro_batch):
+        for (out_features, in_features), count in shapes.items():
+            x = torch.randn(n, in_features, dtype=dtype, device=device)
+            w = torch.randn(out_features, in_features, dtype=dtype, device=device)
+            g = torch.randn(n, out_features, dtype=dtype, device=device)
+            products = ((x, w.t()), (g, w), (g.t(), x))  # forward, grad input, grad weight
+            for a, b in products:
+                torch.mm(a, b)  # warm-up: first-touch pages, BLAS thread start
+            start = time.perf_counter()
+            for a, b in products:
+                torch.mm(a, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            total += (time.perf_counter() - start) * count * rows_per_micro_batch.count(n)
+    return total
+
+
 def run_variant(config: BenchConfig, mode: str, device_name: str, steps: int, warmup: int,
                 launched_at: float, dtype: str = "auto", fp8_recipe: str | None = None, log=print) -> dict:
     """Build the model and optimizer as a raychat worker does, run warmup + steps optimizer steps on
@@ -198,6 +227,10 @@ def run_variant(config: BenchConfig, mode: str, device_name: str, steps: int, wa
         # the first step's excess over a steady one: compilation, for a compiled model
         "compile_s": max(0.0, first_step_s - statistics.median(step_s)) if mode == "compile" else 0.0,
     }
+    if mode == "eager" and not cuda:  # the same for every mode; on GPUs MFU is the figure
+        micro_rows = [sl.stop - sl.start for sl in slices]
+        floor_s = matmul_floor_s(model, [n * T for n in micro_rows], precision.dtype, device)
+        result.update(matmul_floor_s=floor_s, matmul_ceiling_tok_per_sec=plan.total_batch_size / floor_s)
     if cuda:
         peak, source = peak_flops(device)
         result.update(peak_flops=peak, peak_source=source, gpu=torch.cuda.get_device_name(device),
@@ -261,6 +294,15 @@ def compare(results: dict[tuple[str, str, str], dict], name: str, dtype: str) ->
         loss_gap = abs(eager["losses"][0] - compiled["losses"][0])
         lines.append(f"{name:>5} {dtype} compile vs eager, steady state: {c / e:.2f}x ({c:,.0f} vs {e:,.0f} "
                      f"tok/s); first-step loss differs by {loss_gap:.2e}")
+    if eager and eager.get("matmul_ceiling_tok_per_sec"):
+        ceiling = eager["matmul_ceiling_tok_per_sec"]
+        reached = ", ".join(f"{mode} {r['tok_per_sec'] / ceiling:.0%}"
+                            for mode, r in (("eager", eager), ("compiled", compiled)) if r)
+        lines.append(f"{name:>5} {dtype} matmul-only ceiling: {ceiling:,.0f} tok/s (this step's Linear "
+                     f"matmuls alone take {eager['matmul_floor_s']:.2f} s); reached: {reached}")
+        if name in NANOCHAT_TOK_PER_SEC:
+            lines.append(f"{name:>5} {dtype} 2x nanochat ({2 * NANOCHAT_TOK_PER_SEC[name]:,} tok/s) is "
+                         f"{2 * NANOCHAT_TOK_PER_SEC[name] / ceiling:.2f}x that ceiling")
     if name in NANOCHAT_TOK_PER_SEC:
         reference = NANOCHAT_TOK_PER_SEC[name]
         cold, warm = NANOCHAT_FIRST_STEP_S[name]

@@ -310,6 +310,9 @@ def test_bad_storage_fails_fast_with_one_line_and_writes_nothing(tiny_corpus, tm
     assert not Storage(s3_uri(s3_endpoint, "runs")).exists()
 
 
+# In the bucket only: these resume paths are the same code on both storages (raychat.storage), the
+# local ones run in test_checkpoint, and six launches per storage cost two minutes of the suite.
+@pytest.mark.parametrize("storage", ["s3"], indirect=True)
 def test_wrong_tokenizer_nan_loss_damaged_checkpoint_and_resume_from_step(ray_session, tiny_corpus, tmp_path,
                                                                           storage):
     from raychat.tokenizer_train import train_tokenizer
