@@ -3,25 +3,21 @@ when redirected), and no secret in what Ray stores and shows (`ray job list`, th
 
 import functools
 import json
-import re
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 from ray._private.worker import print_to_stdstream
-from ray.job_submission import JobStatus, JobSubmissionClient
-from test_train import STEP_LINE, VAL_LINE, run_train, tiny_flags
+from test_train import STEP_LINE, VAL_LINE, run_train, submit_job, tiny_flags
 
 from raychat.console import MARK, log_line, print_batch
 from raychat.runtime_env import worker_runtime_env
 
 RUN = ["--num-workers", "1", "--total-batch-size", "256", "--num-iterations", "6", "--eval-every", "3"]
 ESCAPE = "\x1b["
-TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
 
 
 def ray_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -109,18 +105,11 @@ def test_secret_not_in_job_list_or_logs(ray_session, secret_run):
 
 @pytest.mark.ray
 def test_ray_job_logs_read_like_nanochat(ray_session, tiny_corpus, tmp_path):
-    flags = tiny_flags(tiny_corpus, tmp_path, "submitted", *RUN)
-    submitted = ray_cli("job", "submit", "--address", ray_session.dashboard_url, "--no-wait", "--",
-                        sys.executable, "-m", "raychat.train", *flags)
-    job_id = re.search(r"raysubmit_\w+", submitted.stdout + submitted.stderr).group(0)
-    client = JobSubmissionClient(ray_session.dashboard_url)
-    deadline = time.time() + 400
-    while client.get_job_status(job_id) not in TERMINAL and time.time() < deadline:
-        time.sleep(2)
-    # The CLI colours its own header line unless told not to; the job's log is what follows it.
-    address = ray_session.dashboard_url
-    logs = ray_cli("job", "logs", "--log-color", "false", "--address", address, job_id).stdout
-    assert client.get_job_status(job_id) == JobStatus.SUCCEEDED, logs[-3000:]
+    """`ray job submit` to the running cluster: the job succeeds, checkpoints, and its log reads
+    like nanochat's."""
+    status, logs = submit_job(ray_session, tiny_flags(tiny_corpus, tmp_path, "submitted", *RUN))
+    assert "SUCCEEDED" in status.upper(), status + logs[-3000:]
+    assert (tmp_path / "submitted" / "checkpoint_000006" / "meta.json").exists()
     assert ESCAPE not in logs and MARK not in logs
     steps = [line for line in logs.splitlines() if line.startswith("step")]
     assert len(steps) == 6 and all(STEP_LINE.fullmatch(line) for line in steps), steps
