@@ -36,6 +36,7 @@ class Coordinator:
         self.saved_step: int | None = None
         self.last_step: int | None = None  # the last step the current attempt finished
         self.world_size: int | None = None
+        self.notice_step: int | None = None  # the step saved on a preemption notice, this attempt
         self.attempts = 0
         self.final: dict = {}
 
@@ -51,6 +52,9 @@ class Coordinator:
     def get_saved_step(self) -> int | None:
         return self.saved_step
 
+    def preemption_saved(self, step: int) -> None:
+        self.notice_step = step
+
     def progress(self, step: int) -> None:
         self.last_step = step
 
@@ -65,9 +69,9 @@ class Coordinator:
     def start_attempt(self, step: int, world_size: int) -> dict:
         """Called by rank 0 of each new attempt: what the previous attempt did."""
         previous = {"attempt": self.attempts, "last_step": self.last_step, "world_size": self.world_size,
-                    "planned_step": self.saved_step}
+                    "planned_step": self.saved_step, "notice_step": self.notice_step}
         self.attempts += 1
-        self.last_step, self.world_size, self.saved_step = None, world_size, None
+        self.last_step, self.world_size, self.saved_step, self.notice_step = None, world_size, None, None
         return previous
 
 
@@ -138,6 +142,10 @@ def describe_attempt(previous: dict, step: int, world_size: int, checkpoint: str
     redone = max(0, last + 1 - step) if last is not None else 0
     lost = before - world_size
     what = f"Lost {lost} worker(s)" if lost > 0 else "A worker failed"
+    if previous.get("notice_step") is not None:
+        # Steps trained after the notice's save are redone: Ray's advice is to save, then train on
+        # (the notice may come long before the node goes).
+        what = f"Preempted (saved step {previous['notice_step']} on the notice)"
     where = f"from step {step} ({checkpoint})" if checkpoint else f"from step {step} (no checkpoint yet)"
     return AttemptStart("failure", f"{what}: continuing on {world_size} {where}; {redone} steps redone",
                         redone)

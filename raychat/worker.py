@@ -169,6 +169,8 @@ def save_on_request(w: Worker) -> None:
     save(w, wait=True)
     if w.preempt_requested:
         w.preempt_saved = True
+        if w.coordinator is not None:
+            ray.get(w.coordinator.preemption_saved.remote(w.step))  # for the next attempt's log line
         w.log(f"Preemption notice: saved step {w.step}")
     if w.resize_requested:
         if w.coordinator is not None:

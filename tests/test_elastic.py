@@ -56,6 +56,27 @@ def cluster():
         stop_processes_under(session_dir)  # agents that outlive their raylet
 
 
+def test_each_kind_of_restart_gets_its_own_line():
+    from raychat.elastic import describe_attempt
+
+    def previous(**kw):
+        return {"attempt": 1, "last_step": 29, "world_size": 3, "planned_step": None, "notice_step": None,
+                **kw}
+
+    assert describe_attempt({**previous(), "attempt": 0}, 0, 3, None).line is None
+    lost = describe_attempt(previous(), 20, 2, "checkpoint_000020")
+    assert (lost.kind, lost.redone_steps) == ("failure", 10)
+    assert lost.line == "Lost 1 worker(s): continuing on 2 from step 20 (checkpoint_000020); 10 steps redone"
+    assert describe_attempt(previous(), 0, 3, None).line == \
+        "A worker failed: continuing on 3 from step 0 (no checkpoint yet); 30 steps redone"
+    grew = describe_attempt(previous(world_size=2, planned_step=30), 30, 3, "checkpoint_000030")
+    assert (grew.kind, grew.line) == ("planned", "Grew to 3 workers at step 30 (no steps redone)")
+    spot = describe_attempt(previous(world_size=2, notice_step=25), 25, 2, "checkpoint_000025")
+    assert (spot.kind, spot.redone_steps) == ("failure", 5)
+    assert spot.line == ("Preempted (saved step 25 on the notice): continuing on 2 from step 25 "
+                         "(checkpoint_000025); 5 steps redone")
+
+
 def scrape_world_sizes(ports: list[int], seen: dict[str, set[float]]) -> None:
     """Add the raychat gauge values every node exports now (rank 0 moves between nodes)."""
     for port in ports:
@@ -162,3 +183,70 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, ray_session, tiny_corpus, 
                      if int(m.group(1)) == STEPS]
     assert final_bpb and reference_bpb
     assert abs(final_bpb[-1] - reference_bpb[-1]) < BPB_TOLERANCE, (final_bpb, reference_bpb)
+
+
+def node_of_pid(nodes: list, pid: int):
+    """The Cluster node whose raylet started process `pid` (each node is its own raylet here)."""
+    import psutil
+
+    raylets = {n.all_processes["raylet"][0].process.pid: n for n in nodes}
+    for parent in psutil.Process(pid).parents():
+        if parent.pid in raylets:
+            return raylets[parent.pid]
+    raise AssertionError(f"process {pid} is under no node's raylet")
+
+
+def test_spot_notice_saves_before_the_node_goes(cluster, tiny_corpus, tmp_path):
+    """A spot reclaim with notice, as a cloud gives it: the node hosting rank 1 is drained with reason
+    PREEMPTION and a deadline (`ray drain-node`, what autoscaler v2 calls), then killed at the deadline.
+    With no periodic checkpoint, the only one to resume from is the save taken on the notice; the next
+    attempt (2 workers on the other two nodes) resumes exactly there and says so."""
+    c, nodes = cluster
+    data_dir, _ = tiny_corpus
+    storage = str(tmp_path / "runs")
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    steps = 120
+    flags = tiny_flags(tiny_corpus, storage, "spot", "--num-workers", "2", "--cpus-per-worker", "1",
+                       "--placement-strategy", "SPREAD", "--total-batch-size", "1024", "--num-iterations",
+                       str(steps), "--eval-every", "-1", "--save-every", "-1", "--max-failures", "0")
+    client = JobSubmissionClient(f"http://{c.head_node.address_info['webui_url']}")
+    job = client.submit_job(entrypoint=" ".join(["python -m raychat.train", *flags]),
+                            runtime_env={"env_vars": {"RAYCHAT_TRACE_DIR": str(trace)}})
+    deadline_s = 8
+    reclaimed, drained_at = None, None
+    status = None
+    give_up = time.monotonic() + 600
+    while time.monotonic() < give_up:
+        status = client.get_job_status(job)
+        if status in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+            break
+        if drained_at is None and last_traced_step(trace) >= 10:
+            (rank1,) = trace.glob("*_rank1_*.jsonl")
+            reclaimed = node_of_pid(nodes, int(rank1.stem.rsplit("_", 1)[1]))
+            subprocess.run(["ray", "drain-node", "--address", c.address, "--node-id", reclaimed.node_id,
+                            "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
+                            "--deadline-remaining-seconds", str(deadline_s)],
+                           check=True, capture_output=True, text=True, timeout=60)
+            drained_at = time.monotonic()
+        elif reclaimed is not None and time.monotonic() > drained_at + deadline_s:
+            c.remove_node(reclaimed, allow_graceful=False)  # the cloud takes the node at the deadline
+            nodes.remove(reclaimed)
+            reclaimed = None
+        time.sleep(0.5)
+    logs = client.get_job_logs(job)
+    assert status == JobStatus.SUCCEEDED, logs[-4000:]
+    assert drained_at is not None and reclaimed is None, f"the run ended before the reclaim\n{logs[-3000:]}"
+
+    notice = re.search(r"^Preemption notice: saved step (\d+)$", logs, re.M)
+    assert notice, logs[-4000:]
+    saved = int(notice.group(1))
+    resumed = rf"^Preempted \(saved step {saved} on the notice\): continuing on 2 from step {saved} " \
+              rf"\(checkpoint_{saved:06d}\); \d+ steps redone$"
+    assert re.search(resumed, logs, re.M), logs[-4000:]
+    assert world_sizes_by_attempt(trace) == [2, 2]
+    second = max((a for attempts in attempts_by_step(trace).values() for a in attempts), key=float)
+    assert min(s for s, attempts in attempts_by_step(trace).items() if second in attempts) == saved
+    final = read_meta(latest_valid_checkpoint(Storage(storage).child("spot")))
+    assert final["step"] == steps
+    assert_epoch1_exactly_once(trace, data_dir, final["cursor"])
