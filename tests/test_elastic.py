@@ -206,14 +206,14 @@ def test_spot_notice_saves_before_the_node_goes(cluster, tiny_corpus, tmp_path):
     storage = str(tmp_path / "runs")
     trace = tmp_path / "trace"
     trace.mkdir()
-    steps = 120
+    steps = 300  # ~60 ms each here: the reclaim (step 10 + 5 s) must land well before the end
     flags = tiny_flags(tiny_corpus, storage, "spot", "--num-workers", "2", "--cpus-per-worker", "1",
                        "--placement-strategy", "SPREAD", "--total-batch-size", "1024", "--num-iterations",
                        str(steps), "--eval-every", "-1", "--save-every", "-1", "--max-failures", "0")
     client = JobSubmissionClient(f"http://{c.head_node.address_info['webui_url']}")
     job = client.submit_job(entrypoint=" ".join(["python -m raychat.train", *flags]),
                             runtime_env={"env_vars": {"RAYCHAT_TRACE_DIR": str(trace)}})
-    deadline_s = 8
+    deadline_s = 5
     reclaimed, drained_at = None, None
     status = None
     give_up = time.monotonic() + 600
