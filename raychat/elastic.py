@@ -12,8 +12,9 @@ boundary, so the larger group resumes exactly where the smaller one stopped.
 
 `Coordinator` is a small named actor, created by the driver for one run: the controller callback
 asks it for a save, rank 0 polls it without blocking (the request reaches every rank through the
-step's loss all-reduce), and it remembers the last step each attempt trained, so a new attempt can
-log "Lost 1 worker(s) ...; 7 steps redone" or "Grew to 3 workers at step 160 (no steps redone)".
+step's loss all-reduce), and it remembers the last step each attempt trained and any step it saved
+on a preemption notice, so a new attempt can log "Lost 1 worker(s) ...; 7 steps redone", "Preempted
+(saved step 23 on the notice): ..." or "Grew to 3 workers at step 160 (no steps redone)".
 """
 
 import time
