@@ -1,5 +1,5 @@
-"""How fast an elastic run recovers on a real multi-node Ray cluster, with Ray's defaults and with the
-settings the README recommends.
+"""How fast an elastic run recovers on a real multi-node Ray cluster, with Ray's cluster defaults and
+with the cluster settings the README recommends.
 
 A `ray.cluster_utils.Cluster` on this machine (a head without CPUs and two 1-CPU worker nodes, each
 its own raylet and object store) runs `python -m raychat.train --num-workers 1:2` on a tiny model. At
@@ -12,10 +12,12 @@ after 10 steps on one worker it is added back. From the driver's output, timesta
 
     python -m bench.recovery                      # both settings, ~5-8 minutes on 2 cores
     python -m bench.recovery --settings default
+    python -m bench.recovery --settings recommended --timeline   # where the seconds of a recovery go
 
 "recommended" = GCS health checks every 1 s, a node dead after 3 missed ones
-(`health_check_period_ms`, `health_check_failure_threshold`), and
-RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=15 (Ray Train gives up restarting at the old size sooner).
+(`health_check_period_ms`, `health_check_failure_threshold`: Ray's defaults are 3 s and 5). Both
+run raychat's own elastic settings: RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=5 unless set, and the
+cluster view refreshed at each restart (raychat.elastic.FreshClusterView).
 """
 
 import argparse
@@ -32,8 +34,7 @@ from pathlib import Path
 
 SETTINGS = {
     "default": ({}, {}),
-    "recommended": ({"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
-                    {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"}),
+    "recommended": ({"health_check_period_ms": 1000, "health_check_failure_threshold": 3}, {}),
 }
 NODE = {"num_cpus": 1, "object_store_memory": 150 * 2**20}
 STEP = re.compile(r"^step (\d{5})/")
@@ -55,7 +56,7 @@ def follow(proc: subprocess.Popen, lines: "queue.Queue[tuple[float, str]]") -> N
     lines.put((time.monotonic(), None))
 
 
-def measure(name: str, data: Path, tok: Path, storage: Path) -> dict:
+def measure(name: str, data: Path, tok: Path, storage: Path, show_timeline: bool = False) -> dict:
     from ray.cluster_utils import Cluster
 
     system_config, env = SETTINGS[name]
@@ -76,11 +77,14 @@ def measure(name: str, data: Path, tok: Path, storage: Path) -> dict:
     events: dict[str, float] = {}
     result: dict = {"settings": name}
     workers, last_step = 2, -1
+    timeline: list[str] = []  # the driver's other lines between the node's death and the next step
     try:
         while True:
             t, line = lines.get(timeout=600)
             if line is None:
                 break
+            if "loss" in events and "shrunk" not in events and not STEP.match(line):
+                timeline.append(f"  +{t - events['loss']:5.1f}s {line[:200]}")
             if line.startswith("Lost "):
                 workers = 1
                 result["redone_after_loss"] = int(re.search(r"(\d+) steps redone", line).group(1))
@@ -108,6 +112,9 @@ def measure(name: str, data: Path, tok: Path, storage: Path) -> dict:
             proc.kill()
         proc.wait()
         cluster.shutdown()
+    if show_timeline:
+        print(f"{name}: what the driver printed between the node's death and the next step", flush=True)
+        print("\n".join(timeline), flush=True)
     return result
 
 
@@ -116,6 +123,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", default="default,recommended",
                         help="comma-separated: default (Ray's) and/or recommended (see the module docstring)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also print the driver's lines between the node's death and the next step")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"),
                         help="directory for recovery.json")
     args = parser.parse_args()
@@ -126,7 +135,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="raychat-recovery-") as tmp:
         data, tok = prepare_inputs(Path(tmp))
         for name in args.settings.split(","):
-            results.append(measure(name, data, tok, Path(tmp) / "runs"))
+            results.append(measure(name, data, tok, Path(tmp) / "runs", args.timeline))
             print(json.dumps(results[-1]), flush=True)
     header = ("settings", "loss -> step", "back -> grown", "redone (loss)", "redone (grow)")
     print(f"{header[0]:<12} {header[1]:>13} {header[2]:>14} {header[3]:>14} {header[4]:>14}")

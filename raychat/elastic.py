@@ -22,7 +22,11 @@ from dataclasses import dataclass
 
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback
-from ray.train.v2._internal.execution.controller.state import ResizingState
+from ray.train.v2._internal.execution.controller.state import (
+    ReschedulingState,
+    ResizingState,
+    RestartingState,
+)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
@@ -120,6 +124,31 @@ class PlannedResizeSave(ControllerCallback):
             if ray.get(coordinator.get_saved_step.remote()) is not None:
                 return
             time.sleep(0.2)
+
+
+class FreshClusterView(ControllerCallback):
+    """After a failure, size the restarted group from the cluster as it is now.
+
+    Ray Train's elastic policy counts the workers that fit from Ray's autoscaling coordinator
+    (ray/data/_internal/cluster_autoscaler), which re-reads the cluster only every 20 s. Right after
+    a node dies it still lists that node, so the controller asks for the old size and waits out
+    RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S for resources that are gone (bench/RESULTS.md,
+    "Recovery": 15 s of a 29-43 s recovery). Asking the coordinator to re-read once when the
+    controller starts a restart (or reschedules after such a timeout) removes that wait."""
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        if isinstance(current_state, (RestartingState, ReschedulingState)):
+            refresh_cluster_view()
+
+
+def refresh_cluster_view() -> None:
+    """Make Ray's autoscaling coordinator re-read the cluster now (a best effort: a Ray without that
+    actor or its `recompute` argument keeps its own 20 s timing)."""
+    try:
+        coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+        ray.get(coordinator.get_reserved_resources.remote("raychat", recompute=True), timeout=10)
+    except (ValueError, TypeError, ray.exceptions.RayError):
+        pass
 
 
 @dataclass

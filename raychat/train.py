@@ -32,7 +32,7 @@ from raychat.console import install_driver_printer, plain_when_redirected
 from raychat.corpus_budget import corpus_budget_lines
 from raychat.corpus_check import validate_corpus
 from raychat.default_corpus import prepare_default_corpus
-from raychat.elastic import PlannedResizeSave, final_metrics, start_coordinator
+from raychat.elastic import FreshClusterView, PlannedResizeSave, final_metrics, start_coordinator
 from raychat.precision import check_precision
 from raychat.resume import driver_choice
 from raychat.runtime_env import worker_runtime_env
@@ -61,6 +61,9 @@ class RunPaths:
     def run(self, name: str) -> Storage:
         """The run's directory: `<storage_path>/<name>`."""
         return Storage(self.storage_path).child(name)
+
+
+ELASTIC_START_TIMEOUT_S = "5"  # seconds an elastic restart waits for its placement before resizing
 
 
 def connect_ray(num_workers: int) -> None:
@@ -143,7 +146,7 @@ def build_trainer(cfg: TrainConfig, *, session: str, resume_from: Storage | None
         elastic_resize_monitor_interval_s=cfg.resize_check_every,
     )
     start_coordinator(session)
-    callbacks = [*(callbacks or []), *([PlannedResizeSave(session)] if elastic else [])]
+    callbacks = [*(callbacks or []), *([PlannedResizeSave(session), FreshClusterView()] if elastic else [])]
     run_kwargs = dict(
         name=cfg.name,
         storage_path=paths.storage_path,
@@ -213,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
     resume_from = check_resumable(cfg, paths, tokenizer)
 
+    if min_workers != max_workers:
+        # After a node loss Ray may size the restart from a view of the cluster that still has the
+        # node, then wait this long for it before retrying at the size that fits (Ray's default 60 s;
+        # raychat.elastic.FreshClusterView makes the retry see the truth). Read by the Train controller,
+        # to which the driver forwards RAY_TRAIN_* (bench/RESULTS.md, "Recovery").
+        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", ELASTIC_START_TIMEOUT_S)
     connect_ray(max_workers)
     session = uuid.uuid4().hex
     trainer = build_trainer(cfg, session=session, resume_from=resume_from, compile_checked=compile_checked)
