@@ -7,8 +7,6 @@ same-shape matrices at once (the matrices of a group a rank owns).
 import torch
 from torch import Tensor
 
-from raychat.precision import auto_dtype
-
 # Polar Express coefficients (a, b, c) of X <- a X + b (X X^T) X + c (X X^T)^2 X, for 5 iterations
 # (safety factor 2e-2, cushion 2), from Amsel et al. 2025, https://arxiv.org/abs/2505.16932
 POLAR_EXPRESS_COEFFS = (
@@ -25,7 +23,8 @@ def _at_least_fp32(t: Tensor) -> Tensor:
 
 
 def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor, second_momentum_buffer: Tensor, *,
-                momentum: float, lr: float, weight_decay: float, beta2: float, ns_steps: int) -> None:
+                momentum: float, lr: float, weight_decay: float, beta2: float, ns_steps: int,
+                bf16: bool = False) -> None:
     """nanochat's Muon step on a stack [k, rows, cols] of same-shape matrices, in place.
 
     `grads` is overwritten. `lr` is the group's; the max(1, rows / cols) ** 0.5 shape scaling is
@@ -38,9 +37,10 @@ def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor, second_m
     momentum_buffer.lerp_(grads, 1 - momentum)
     x = grads.lerp_(momentum_buffer, momentum)
 
-    # bf16 where the model computes in bf16 (fast, and the iteration only needs singular values near
-    # 1); fp16's exponent range is too narrow, so any other compute dtype keeps the parameter dtype.
-    if auto_dtype(params.device) == torch.bfloat16:
+    # bf16 (`bf16`: where the model computes in bf16) is fast, and the iteration only needs singular
+    # values near 1; fp16's exponent range is too narrow, so any other compute dtype keeps the
+    # parameter dtype.
+    if bf16:
         x = x.bfloat16()
     # MuonEq (scale every row to the mean row norm, so the spectrum entering the iteration is better
     # conditioned), then normalise the Frobenius norm to just under 1 so every singular value is in range

@@ -95,9 +95,10 @@ class MuonAdamW(torch.optim.Optimizer):
     Distributed when torch.distributed is initialized with more than one rank (see the module
     docstring). A parameter without a gradient is updated as if its gradient were zero, so every rank
     takes part in every collective. After step(), `p.grad` still holds this rank's own gradient.
+    `bf16_iteration`: run Muon's orthogonalisation in bf16 (where the model computes in bf16).
     """
 
-    def __init__(self, param_groups: list[dict]):
+    def __init__(self, param_groups: list[dict], bf16_iteration: bool = False):
         for group in param_groups:
             group["params"] = list(group["params"])
             if group.get("kind") not in ("adamw", "muon"):
@@ -118,6 +119,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if not all(p.is_contiguous() for p in params):
             raise ValueError("optimizer parameters must be contiguous (flat views are updated in place)")
         self._layout: tuple[int, int] | None = None  # (world, rank) the state is sharded for
+        self.bf16_iteration = bf16_iteration
 
     def _groups(self, kind: str) -> list[dict]:
         return [group for group in self.param_groups if group["kind"] == kind]
@@ -255,7 +257,7 @@ class MuonAdamW(torch.optim.Optimizer):
             muon_update(reduce.chunk_grads[:n], own_rows[:n], state["momentum_buffer"][:n],
                         state["second_momentum_buffer"][:n], momentum=group["momentum"], lr=group["lr"],
                         weight_decay=group["weight_decay"], beta2=group["beta2"] or 0.0,
-                        ns_steps=group["ns_steps"])
+                        ns_steps=group["ns_steps"], bf16=self.bf16_iteration)
         gather = _InFlight(stacked=stacked)
         if world > 1:
             gather.works.append(dist.all_gather_single(stacked, own_rows, async_op=True))
@@ -370,7 +372,8 @@ def build_optimizer(model: GPT, *, embedding_lr: float, unembedding_lr: float, m
                     scalar_lr: float, weight_decay: float) -> MuonAdamW:
     """nanochat's GPT.setup_optimizer: the AdamW sets with their own lrs, betas and weight decays
     (embedding and lm_head lrs scaled by (model_dim / 768) ** -0.5), one Muon group per matrix shape.
-    The lrs are used as given: the caller has already applied the batch-size lr scale."""
+    The lrs are used as given: the caller has already applied the batch-size lr scale. Muon iterates
+    in bf16 when the model computes in bf16 (its --dtype), as nanochat's does on GPUs."""
     names = {id(p): name for name, p in model.named_parameters()}
     sets = model.optimizer_param_sets()
     placed = [id(p) for params in sets.values() for p in params]
@@ -395,4 +398,4 @@ def build_optimizer(model: GPT, *, embedding_lr: float, unembedding_lr: float, m
         params = [p for p in matrices if tuple(p.shape) == shape]
         groups.append({"kind": "muon", "params": params, "names": [names[id(p)] for p in params],
                        "lr": matrix_lr, "weight_decay": weight_decay, **MUON_DEFAULTS})
-    return MuonAdamW(groups)
+    return MuonAdamW(groups, bf16_iteration=model.compute_dtype == torch.bfloat16)

@@ -325,3 +325,27 @@ def test_real_gpt_trains_and_resumes():
         o.step()
     for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_muon_iterates_in_the_models_compute_dtype():
+    """--dtype decides Muon's orthogonalisation dtype too: bf16 only where the model computes in bf16."""
+    from raychat.muon import muon_update
+    from raychat.precision import Precision
+
+    config = gpt_config(depth=2, aspect_ratio=64, head_dim=64, max_seq_len=32, vocab_size=100,
+                        window_pattern="L")
+    lrs = dict(embedding_lr=0.3, unembedding_lr=0.008, matrix_lr=0.02, scalar_lr=0.5, weight_decay=0.28)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_model(config, "cpu", Precision(dtype, None, False))
+        assert build_optimizer(model, **lrs).bf16_iteration == (dtype == torch.bfloat16)
+
+    torch.manual_seed(0)
+    grads, params = torch.randn(2, 16, 8, dtype=torch.float64), torch.randn(2, 16, 8, dtype=torch.float64)
+    updated = {}
+    for bf16 in (False, True):
+        p = params.clone()
+        muon_update(grads.clone(), p, torch.zeros_like(p), torch.zeros(2, 16, 1, dtype=torch.float64),
+                    momentum=0.95, lr=0.02, weight_decay=0.0, beta2=0.9, ns_steps=5, bf16=bf16)
+        updated[bf16] = p - params
+    assert not torch.equal(updated[False], updated[True])  # the bf16 iteration really ran
+    torch.testing.assert_close(updated[True], updated[False], rtol=0.1, atol=2e-3)
