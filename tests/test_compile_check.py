@@ -29,11 +29,14 @@ def test_probe_names_the_flag_and_the_cause(monkeypatch, tmp_path):
     import torch._inductor.config as inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
     torch._dynamo.reset()
     refusal = r"^--compile: .*No working C\+\+ compiler.*run with --compile off$"
-    with pytest.raises(RaychatError, match=refusal):
+    # inductor's own patch restores the entry exactly; monkeypatch.setattr on this hidden config
+    # entry deleted it when undone, and every later compile in the process then failed.
+    with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/g++")}), \
+            pytest.raises(RaychatError, match=refusal):
         probe_compile(CPU)
+    torch._dynamo.reset()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the workers would run on CUDA")
