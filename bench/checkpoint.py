@@ -44,12 +44,12 @@ from pathlib import Path
 
 import torch
 
-from raychat.checkpoint import MANIFEST_FILE, checkpoint_dir_name, damage, load_checkpoint
+from raychat.checkpoint.format import MANIFEST_FILE, checkpoint_dir_name, damage, load_checkpoint
+from raychat.checkpoint.saver import CheckpointSaver
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig
-from raychat.model import build_model
-from raychat.optim import build_optimizer
-from raychat.saver import CheckpointSaver
+from raychat.model.gpt import build_model
+from raychat.optim.muon_adamw import build_optimizer
 from raychat.scaling import resolve_plan
 from raychat.storage import Storage
 

@@ -12,7 +12,7 @@ for minor in ${VERSIONS[@]}; do
     start=$SECONDS
     if "$python" -m venv "$venv" \
         && "$venv/bin/pip" install -q --extra-index-url https://download.pytorch.org/whl/cpu "$ROOT" \
-        && "$venv/bin/python" -c "import raychat, raychat.corpus, raychat.train" \
+        && "$venv/bin/python" -c "import raychat, raychat.corpus.cli, raychat.train" \
         && (cd /tmp && RAYCHAT_HOME=$(mktemp -d) "$venv/bin/python" -m raychat.plan --depth 4 >/dev/null); then
         echo "python $("$python" -V 2>&1 | cut -d' ' -f2): OK (install + import + plan, $((SECONDS - start)) s)"
     else

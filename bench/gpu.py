@@ -32,9 +32,9 @@ import torch
 from bench.loader import ReferenceLoader, corpus_and_tokenizer, reference_documents, timed
 from bench.step import REPO_ROOT, BenchConfig, launch, run_variant
 from raychat.common import RaychatError, run_cli
-from raychat.model import build_model, gpt_config
-from raychat.precision import Precision
-from raychat.tokenizer import Tokenizer
+from raychat.model.gpt import build_model, gpt_config
+from raychat.model.precision import Precision
+from raychat.tokenizer.core import Tokenizer
 
 GPU_CONFIGS = [
     BenchConfig("d12", 12, 32, -1, max_seq_len=2048, head_dim=128, window_pattern="SSSL"),
@@ -76,8 +76,8 @@ def loader_rates(workdir: Path, shape: tuple[int, int], seconds: float, dry_run:
     """raychat's TrainLoader against the reference loader on the same corpus, rank 0 of 1."""
     import ray
 
-    from raychat.fixture_corpus import write_synthetic_corpus
-    from raychat.loader import TrainLoader
+    from raychat.corpus.fixture import write_synthetic_corpus
+    from raychat.data.loader import TrainLoader
 
     data_dir = ""
     if dry_run:

@@ -29,10 +29,10 @@ import pyarrow.parquet as pq
 import torch
 
 from raychat.common import RaychatError, default_data_dir, run_cli
-from raychat.corpus_index import CorpusIndex, list_shards, read_unit_texts
-from raychat.packer import BestFitPacker
-from raychat.tokenizer import Tokenizer, available_cores
-from raychat.tokenizer_train import train_tokenizer
+from raychat.corpus.index import CorpusIndex, list_shards, read_unit_texts
+from raychat.data.packer import BestFitPacker
+from raychat.tokenizer.core import Tokenizer, available_cores
+from raychat.tokenizer.train import train_tokenizer
 
 CONFIGS = [(8, 2048), (32, 512)]
 
@@ -142,8 +142,8 @@ def corpus_and_tokenizer(args, workdir: Path) -> tuple[CorpusIndex, str, str]:
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     what = f"corpus {data_dir}"
     if not data_dir.is_dir() or not list_shards(data_dir):
-        from raychat.corpus_sample import write_sample_corpus
-        from raychat.fixture_corpus import write_synthetic_corpus
+        from raychat.corpus.fixture import write_synthetic_corpus
+        from raychat.corpus.sample import write_sample_corpus
 
         data_dir = workdir / "data"
         try:
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from raychat.loader import TrainLoader
+    from raychat.data.loader import TrainLoader
 
     with tempfile.TemporaryDirectory(prefix="raychat_bench_loader_") as tmp:
         index, tokenizer_dir, what = corpus_and_tokenizer(args, Path(tmp))

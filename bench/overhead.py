@@ -41,7 +41,7 @@ import numpy as np
 
 from raychat.common import RaychatError, raychat_home, run_cli
 from raychat.config import TrainConfig
-from raychat.corpus_index import CorpusIndex, list_shards
+from raychat.corpus.index import CorpusIndex, list_shards
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -65,8 +65,8 @@ def bench_config(args: argparse.Namespace) -> TrainConfig:
 
 def prepare_inputs(cache_dir: Path, vocab_size: int) -> tuple[Path, Path]:
     """(corpus dir, tokenizer dir) in cache_dir: the sample corpus and a tokenizer trained on it."""
-    from raychat.corpus_sample import write_sample_corpus
-    from raychat.tokenizer_train import train_tokenizer
+    from raychat.corpus.sample import write_sample_corpus
+    from raychat.tokenizer.train import train_tokenizer
 
     data_dir, tokenizer_dir = cache_dir / "data", cache_dir / f"tokenizer_{vocab_size}"
     if not data_dir.is_dir() or not list_shards(data_dir):
@@ -82,7 +82,7 @@ def prepare_rows(cache_dir: Path, data_dir: Path, tokenizer_dir: Path, seq_len: 
                  rows_needed: int) -> Path:
     """The first `rows_needed` rows raychat's TrainLoader gives rank 0 of 1 (what a one-worker run
     trains on), saved as int32 [rows, T+1]; a saved file with at least as many rows is reused."""
-    from raychat.tokenizer import Tokenizer
+    from raychat.tokenizer.core import Tokenizer
 
     fingerprint = Tokenizer.load(tokenizer_dir).fingerprint
     path = cache_dir / f"rows_{fingerprint}_T{seq_len}.npy"
@@ -90,7 +90,7 @@ def prepare_rows(cache_dir: Path, data_dir: Path, tokenizer_dir: Path, seq_len: 
         return path
     import ray
 
-    from raychat.loader import TrainLoader
+    from raychat.data.loader import TrainLoader
 
     print(f"materialising {rows_needed} rows of the training stream into {path}", flush=True)
     ray.init(num_cpus=(os.cpu_count() or 1) + 2, include_dashboard=False, configure_logging=False,
@@ -114,9 +114,9 @@ def plain_main(spec: dict) -> int:
     """raychat worker's step loop without Ray: same model, optimizer, schedules and rows."""
     import torch
 
-    from raychat.metrics import counts_toward_total_time, eta_seconds, format_step_line, smooth_loss
-    from raychat.model import build_model
-    from raychat.optim import build_optimizer
+    from raychat.model.gpt import build_model
+    from raychat.optim.muon_adamw import build_optimizer
+    from raychat.run.metrics import counts_toward_total_time, eta_seconds, format_step_line, smooth_loss
     from raychat.scaling import (
         lr_multiplier,
         micro_batch_sizes,
@@ -124,7 +124,7 @@ def plain_main(spec: dict) -> int:
         muon_weight_decay,
         resolve_plan,
     )
-    from raychat.tokenizer import Tokenizer
+    from raychat.tokenizer.core import Tokenizer
 
     cfg = TrainConfig.from_dict(spec["config"])
     plan = resolve_plan(cfg, Tokenizer.load(spec["tokenizer_dir"]).vocab_size)

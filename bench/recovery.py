@@ -17,7 +17,7 @@ after 10 steps on one worker it is added back. From the driver's output, timesta
 "recommended" = GCS health checks every 1 s, a node dead after 3 missed ones
 (`health_check_period_ms`, `health_check_failure_threshold`: Ray's defaults are 3 s and 5). Both
 run raychat's own elastic settings: RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=5 unless set, and the
-cluster view refreshed at each restart (raychat.elastic.FreshClusterView).
+cluster view refreshed at each restart (raychat.run.elastic.FreshClusterView).
 """
 
 import argparse
@@ -41,8 +41,8 @@ STEP = re.compile(r"^step (\d{5})/")
 
 
 def prepare_inputs(root: Path) -> tuple[Path, Path]:
-    from raychat.fixture_corpus import write_synthetic_corpus
-    from raychat.tokenizer_train import train_tokenizer
+    from raychat.corpus.fixture import write_synthetic_corpus
+    from raychat.tokenizer.train import train_tokenizer
 
     data, tok = root / "data", root / "tokenizer"
     write_synthetic_corpus(data, num_docs=20_000, docs_per_shard=2_000)

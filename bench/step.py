@@ -42,10 +42,10 @@ import torch
 
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig
-from raychat.flops import mfu, peak_flops
-from raychat.model import build_model
-from raychat.optim import build_optimizer
-from raychat.precision import DTYPES, Precision, auto_dtype
+from raychat.model.flops import mfu, peak_flops
+from raychat.model.gpt import build_model
+from raychat.model.precision import DTYPES, Precision, auto_dtype
+from raychat.optim.muon_adamw import build_optimizer
 from raychat.scaling import micro_batch_sizes, resolve_plan
 
 # DESIGN.md, "Reference figures": nanochat on 2 cores, torch 2.13.0 CPU, compiled, median tok/s and

@@ -21,9 +21,9 @@ from pathlib import Path
 import rustbpe
 import tiktoken
 
-from raychat.corpus_index import iter_split_texts
-from raychat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, available_cores
-from raychat.tokenizer_train import train_tokenizer
+from raychat.corpus.index import iter_split_texts
+from raychat.tokenizer.core import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, available_cores
+from raychat.tokenizer.train import train_tokenizer
 
 ENCODE_TARGET_MB_PER_CORE = 10.0
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from raychat.common import default_data_dir, default_tokenizer_dir, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
-from raychat.corpus_budget import budget_lines, corpus_budget
-from raychat.corpus_index import list_shards
+from raychat.corpus.index import list_shards
+from raychat.data.budget import budget_lines, corpus_budget
 from raychat.scaling import format_plan, resolve_plan
-from raychat.tokenizer import META_FILE, Tokenizer
+from raychat.tokenizer.core import META_FILE, Tokenizer
 
 EPILOG = """\
 examples:

@@ -9,13 +9,13 @@ import argparse
 
 import torch
 
-from raychat.checkpoint import latest_valid_checkpoint, load_checkpoint, read_meta
+from raychat.checkpoint.format import latest_valid_checkpoint, load_checkpoint, read_meta
 from raychat.common import RaychatError, default_storage_path, default_tokenizer_dir, run_cli
-from raychat.evaluate import SAMPLE_PROMPTS
-from raychat.generate import generate
-from raychat.model import GPTConfig, build_model
+from raychat.model.generate import generate
+from raychat.model.gpt import GPTConfig, build_model
+from raychat.run.evaluate import SAMPLE_PROMPTS
 from raychat.storage import Storage
-from raychat.tokenizer import Tokenizer, check_vocab
+from raychat.tokenizer.core import Tokenizer, check_vocab
 
 
 def find_checkpoint(run: Storage, step: int | None) -> Storage:

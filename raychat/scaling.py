@@ -19,8 +19,8 @@ import torch
 
 from raychat.common import RaychatError
 from raychat.config import TrainConfig
-from raychat.model import GPT, GPTConfig, gpt_config
-from raychat.precision import describe_precision
+from raychat.model.gpt import GPT, GPTConfig, gpt_config
+from raychat.model.precision import describe_precision
 
 REF_DEPTH = 12  # nanochat tuned its hyperparameters at d12 and transfers them from there
 B_REF = 2**19  # tokens per step that is optimal at d12 (measured by nanochat)
@@ -53,7 +53,8 @@ class Plan:
     device_batch_size: int  # rows per micro-batch (at most)
     batch_rule: str  # "auto" (scaling rule) or "flag" (--total-batch-size)
     horizon_rule: str  # the flag that set num_iterations: num_iterations|target_flops|target_param_data_ratio
-    precision: str  # what the workers compute in on the machine that resolved the plan (raychat.precision)
+    # what the workers compute in on the machine that resolved the plan (raychat.model.precision)
+    precision: str
 
     @property
     def total_flops(self) -> int:

@@ -18,7 +18,9 @@ import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from raychat.checkpoint import latest_valid_checkpoint, read_meta
+from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
+from raychat.checkpoint.resume import driver_choice
+from raychat.checkpoint.stop_note import clear_stop_note, read_stop_note
 from raychat.common import (
     RaychatError,
     default_data_dir,
@@ -26,22 +28,20 @@ from raychat.common import (
     default_tokenizer_dir,
     run_cli,
 )
-from raychat.compile_check import check_compile
 from raychat.config import TrainConfig, add_config_flags, config_from_args
-from raychat.console import install_driver_printer, plain_when_redirected
-from raychat.corpus_budget import corpus_budget_lines
-from raychat.corpus_check import validate_corpus
-from raychat.default_corpus import prepare_default_corpus
-from raychat.elastic import FreshClusterView, PlannedResizeSave, final_metrics, start_coordinator
-from raychat.precision import check_precision
-from raychat.resume import driver_choice
-from raychat.runtime_env import worker_runtime_env
+from raychat.corpus.check import validate_corpus
+from raychat.corpus.default import prepare_default_corpus
+from raychat.data.budget import corpus_budget_lines
+from raychat.model.compile_check import check_compile
+from raychat.model.precision import check_precision
+from raychat.run.console import install_driver_printer, plain_when_redirected
+from raychat.run.elastic import FreshClusterView, PlannedResizeSave, final_metrics, start_coordinator
+from raychat.run.loop import train_loop_per_worker
+from raychat.run.runtime_env import worker_runtime_env
 from raychat.scaling import format_plan, resolve_plan
-from raychat.stop_note import clear_stop_note, read_stop_note
 from raychat.storage import Storage, normalize_location
-from raychat.tokenizer import Tokenizer, check_vocab
-from raychat.tokenizer_train import train_tokenizer
-from raychat.worker import train_loop_per_worker
+from raychat.tokenizer.core import Tokenizer, check_vocab
+from raychat.tokenizer.train import train_tokenizer
 
 
 @dataclass
@@ -123,8 +123,8 @@ def build_trainer(cfg: TrainConfig, *, session: str, resume_from: Storage | None
 
     `session` names this driver's run (a new one each time): checkpoints carry it, so a restarted
     worker group resumes from what this run wrote and a new run from the driver's choice; the run's
-    coordinator actor (raychat.elastic) is named after it. `compile_checked`: the driver already
-    compiled on the workers' device type (raychat.compile_check), so the workers need not."""
+    coordinator actor (raychat.run.elastic) is named after it. `compile_checked`: the driver already
+    compiled on the workers' device type (raychat.model.compile_check), so the workers need not."""
     # The dashboard's Train view (runs, attempts, workers) needs Ray Train's state tracking, which
     # is off by default in Ray 2.60 and read here, where the trainer is built.
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if min_workers != max_workers:
         # After a node loss Ray may size the restart from a view of the cluster that still has the
         # node, then wait this long for it before retrying at the size that fits (Ray's default 60 s;
-        # raychat.elastic.FreshClusterView makes the retry see the truth). Read by the Train controller,
+        # raychat.run.elastic.FreshClusterView makes the retry see the truth). Read by the Train controller,
         # to which the driver forwards RAY_TRAIN_* (bench/RESULTS.md, "Recovery").
         os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", ELASTIC_START_TIMEOUT_S)
     connect_ray(max_workers)

@@ -179,8 +179,8 @@ def _stdlib_docs(min_chars: int = 120) -> list[str]:
 def tiny_corpus(tmp_path_factory):
     """A small real-text corpus (shards of 40 docs = one row group each, last shard val) and a
     512-token tokenizer trained on it: what the trainer integration tests and sweeps run on."""
-    from raychat.corpus_writer import CorpusWriter
-    from raychat.tokenizer_train import train_tokenizer
+    from raychat.corpus.writer import CorpusWriter
+    from raychat.tokenizer.train import train_tokenizer
 
     root = tmp_path_factory.mktemp("tiny")
     docs = _stdlib_docs()

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from raychat.attention import (
+from raychat.common import RaychatError
+from raychat.model.attention import (
     _cached_mask,
     attention_backend,
     causal_attention,
     layer_masks,
     sliding_window_bool_mask,
 )
-from raychat.common import RaychatError
 
 
 def reference_attention(q, k, v, window):
@@ -124,7 +124,7 @@ def test_compiled_flex_on_cpu_matches_masked_sdpa(monkeypatch, n_head, n_kv_head
     """The CUDA path as the model runs it (layer_masks -> BlockMask -> compiled FlexAttention), on CPU,
     for the windows of a 4-layer SSSL model at T 256 (S = 128, the last layer L: plain causal SDPA),
     against the masked-SDPA path. fp32; measured differences ~1e-7, asserted 1e-5."""
-    from raychat.model import GPTConfig, window_sizes
+    from raychat.model.gpt import GPTConfig, window_sizes
 
     T = 256
     windows = window_sizes(GPTConfig(sequence_len=T, n_layer=4, window_pattern="SSSL"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raychat.checkpoint import (
+from raychat.checkpoint.format import (
     MANIFEST_FILE,
     MODEL_FILE,
     OPTIM_FILE,
@@ -22,8 +22,8 @@ from raychat.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
+from raychat.checkpoint.saver import AsyncCheckpointWriter, CheckpointSaver
 from raychat.common import RaychatError
-from raychat.saver import AsyncCheckpointWriter, CheckpointSaver
 from raychat.storage import Storage
 
 

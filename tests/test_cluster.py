@@ -13,7 +13,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from raychat.metrics import GAUGES
+from raychat.run.metrics import GAUGES
 
 if sys.version_info >= (3, 11):
     import tomllib

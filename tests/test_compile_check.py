@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raychat.common import RaychatError
-from raychat.compile_check import probe_compile, uses_compile
+from raychat.model.compile_check import probe_compile, uses_compile
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")

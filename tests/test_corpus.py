@@ -15,10 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raychat.common import RaychatError
-from raychat.corpus import main
-from raychat.corpus_budget import budget_lines, corpus_budget, train_text_bytes
-from raychat.corpus_check import validate_corpus
-from raychat.corpus_index import (
+from raychat.corpus.check import validate_corpus
+from raychat.corpus.cli import main
+from raychat.corpus.default import prepare_default_corpus
+from raychat.corpus.fixture import synthetic_texts, write_synthetic_corpus
+from raychat.corpus.index import (
     ROW_GROUP_SIZE,
     CorpusIndex,
     Unit,
@@ -27,12 +28,11 @@ from raychat.corpus_index import (
     read_corpus_meta,
     read_unit_texts,
 )
-from raychat.corpus_ingest import ingest
-from raychat.corpus_sample import write_sample_corpus
-from raychat.corpus_writer import CorpusWriter
-from raychat.default_corpus import prepare_default_corpus
-from raychat.fixture_corpus import synthetic_texts, write_synthetic_corpus
-from raychat.tokenizer import Tokenizer
+from raychat.corpus.ingest import ingest
+from raychat.corpus.sample import write_sample_corpus
+from raychat.corpus.writer import CorpusWriter
+from raychat.data.budget import budget_lines, corpus_budget, train_text_bytes
+from raychat.tokenizer.core import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def test_index_is_stable_across_loads_and_processes(synthetic_dir):
     first, second = CorpusIndex.load(synthetic_dir), CorpusIndex.load(str(synthetic_dir) + "/")
     assert first.train == second.train and first.val == second.val
     # Another interpreter (other hash seed) must see the same units and the same shuffled order.
-    code = ("import json,sys; from raychat.corpus_index import CorpusIndex; "
+    code = ("import json,sys; from raychat.corpus.index import CorpusIndex; "
             "i = CorpusIndex.load(sys.argv[1]); "
             "print(json.dumps([[u.index, u.shard, u.row_group, u.num_rows] for u in i.train] + "
             "[i.epoch_order(e, 7) for e in range(3)]))")

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raychat.cursor import (
+from raychat.data.cursor import (
     DocFeed,
     RankCursor,
     RankSequence,
@@ -23,7 +23,7 @@ from raychat.cursor import (
     rank_cursor,
     split_runs,
 )
-from raychat.packer import BestFitPacker
+from raychat.data.packer import BestFitPacker
 
 CAPACITY, BUFFER = 12, 4
 

@@ -17,9 +17,9 @@ from urllib.parse import parse_qs, unquote, urlparse
 import pytest
 
 from raychat.common import RaychatError
-from raychat.corpus_index import CorpusIndex, list_shards, read_corpus_meta, read_unit_texts, shard_filename
-from raychat.download import MAX_SHARD, REPO_ID, download_shards
-from raychat.fixture_corpus import synthetic_texts, write_synthetic_corpus
+from raychat.corpus.download import MAX_SHARD, REPO_ID, download_shards
+from raychat.corpus.fixture import synthetic_texts, write_synthetic_corpus
+from raychat.corpus.index import CorpusIndex, list_shards, read_corpus_meta, read_unit_texts, shard_filename
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_TRAIN = 3

@@ -21,7 +21,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from test_train import VAL_LINE, log_lines, tiny_flags
 from trace_audit import assert_epoch1_exactly_once, attempts_by_step, read_trace, world_sizes_by_attempt
 
-from raychat.checkpoint import latest_valid_checkpoint, read_meta
+from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
 from raychat.storage import Storage
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200)]
@@ -57,7 +57,7 @@ def cluster():
 
 
 def test_each_kind_of_restart_gets_its_own_line():
-    from raychat.elastic import describe_attempt
+    from raychat.run.elastic import describe_attempt
 
     def previous(**kw):
         return {"attempt": 1, "last_step": 29, "world_size": 3, "planned_step": None, "notice_step": None,

@@ -4,7 +4,7 @@ are the model's: tests/test_model.py)."""
 import pytest
 import torch
 
-from raychat.flops import PEAK_BF16_FLOPS, lookup_peak_flops, mfu, peak_flops
+from raychat.model.flops import PEAK_BF16_FLOPS, lookup_peak_flops, mfu, peak_flops
 
 
 @pytest.mark.parametrize("device_name,expected", [

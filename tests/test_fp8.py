@@ -8,13 +8,13 @@ import pytest
 import torch
 from tiny_training import adamw_losses
 
-from raychat.checkpoint import load_checkpoint, save_checkpoint
-from raychat.model import GPTConfig, build_model
-from raychat.precision import Precision
+from raychat.checkpoint.format import load_checkpoint, save_checkpoint
+from raychat.model.gpt import GPTConfig, build_model
+from raychat.model.precision import Precision
 
 pytest.importorskip("torchao")  # the fp8 extra (in dev too)
 
-from raychat.fp8 import TrainingFloat8Linear  # noqa: E402
+from raychat.model.fp8 import TrainingFloat8Linear  # noqa: E402
 
 # width 128: the attention and MLP matrices (128x128, 128x512) pass nanochat's rule (multiples of
 # 16, both sides >= 128); c_k/c_v are 128 -> 64 with GQA (2 kv heads of 32) and stay plain, as do

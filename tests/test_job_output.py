@@ -13,8 +13,8 @@ import pytest
 from ray._private.worker import print_to_stdstream
 from test_train import STEP_LINE, VAL_LINE, run_train, submit_job, tiny_flags
 
-from raychat.console import MARK, log_line, print_batch
-from raychat.runtime_env import worker_runtime_env
+from raychat.run.console import MARK, log_line, print_batch
+from raychat.run.runtime_env import worker_runtime_env
 
 RUN = ["--num-workers", "1", "--total-batch-size", "256", "--num-iterations", "6", "--eval-every", "3"]
 ESCAPE = "\x1b["

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from raychat.common import RaychatError
-from raychat.corpus_index import CorpusIndex, read_unit_texts
-from raychat.cursor import UnitSchedule, expand
-from raychat.fixture_corpus import write_synthetic_corpus
-from raychat.loader import TrainLoader, merge_cursor, val_loader
-from raychat.packer import BestFitPacker
-from raychat.tokenizer import Tokenizer
-from raychat.tokenizer_train import train_tokenizer
+from raychat.corpus.fixture import write_synthetic_corpus
+from raychat.corpus.index import CorpusIndex, read_unit_texts
+from raychat.data.cursor import UnitSchedule, expand
+from raychat.data.loader import TrainLoader, merge_cursor, val_loader
+from raychat.data.packer import BestFitPacker
+from raychat.tokenizer.core import Tokenizer
+from raychat.tokenizer.train import train_tokenizer
 
 pytestmark = [pytest.mark.ray,
               # Ray Data warns about its own deprecated settings when it copies its context.

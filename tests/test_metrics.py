@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from raychat.common import RaychatError
-from raychat.metrics import (
+from raychat.run.metrics import (
     GAUGES,
     RayMetrics,
     WandbLogger,

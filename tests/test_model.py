@@ -9,11 +9,10 @@ import torch
 import torch.nn.functional as F
 from tiny_training import adamw_losses
 
-from raychat.attention import layer_masks
 from raychat.common import RaychatError
-from raychat.fused_loss import softcapped_cross_entropy
-from raychat.generate import generate
-from raychat.model import (
+from raychat.model.attention import layer_masks
+from raychat.model.generate import generate
+from raychat.model.gpt import (
     GPT,
     LOGIT_SOFTCAP,
     GPTConfig,
@@ -22,7 +21,8 @@ from raychat.model import (
     has_value_embedding,
     window_sizes,
 )
-from raychat.precision import Precision
+from raychat.model.loss import softcapped_cross_entropy
+from raychat.model.precision import Precision
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -225,7 +225,7 @@ def test_training_steps_lower_the_loss():
     assert all(p.grad is not None for p in model.parameters())  # every parameter takes part
 
 
-# --- the chunked loss (raychat.fused_loss) against the plain chain --------------------------------
+# --- the chunked loss (raychat.model.loss) against the plain chain --------------------------------
 # Direct tests: 37 rows in chunks of 8 (the last chunk has 5 rows), vocab 100 padded to 128, every
 # 5th row and all of rows 8-15 (a whole chunk) ignored; weights scaled so |logits| reach ~40 and the
 # soft cap is really at work. Tolerances: fused and plain differ only in summation order and in
@@ -325,7 +325,7 @@ def test_gpt_fused_and_plain_loss_give_the_same_parameter_grads(monkeypatch):
         calls.append(args[-1])
         return softcapped_cross_entropy(*args, **kwargs)
 
-    monkeypatch.setattr("raychat.model.softcapped_cross_entropy", counting_loss)
+    monkeypatch.setattr("raychat.model.gpt.softcapped_cross_entropy", counting_loss)
     torch.manual_seed(0)
     x = torch.randint(0, 100, (3, 16))
     y = torch.randint(0, 100, (3, 16))

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from raychat.common import RaychatError
-from raychat.model import build_model, gpt_config
-from raychat.muon import POLAR_EXPRESS_COEFFS
-from raychat.optim import MuonAdamW, build_optimizer
+from raychat.model.gpt import build_model, gpt_config
+from raychat.optim.muon import POLAR_EXPRESS_COEFFS
+from raychat.optim.muon_adamw import MuonAdamW, build_optimizer
 
 # ---- the reference ---------------------------------------------------------------------------
 
@@ -329,8 +329,8 @@ def test_real_gpt_trains_and_resumes():
 
 def test_muon_iterates_in_the_models_compute_dtype():
     """--dtype decides Muon's orthogonalisation dtype too: bf16 only where the model computes in bf16."""
-    from raychat.muon import muon_update
-    from raychat.precision import Precision
+    from raychat.model.precision import Precision
+    from raychat.optim.muon import muon_update
 
     config = gpt_config(depth=2, aspect_ratio=64, head_dim=64, max_seq_len=32, vocab_size=100,
                         window_pattern="L")

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raychat.model import build_model, gpt_config
-from raychat.optim import build_optimizer
+from raychat.model.gpt import build_model, gpt_config
+from raychat.optim.muon_adamw import build_optimizer
 
 ROWS, T, VOCAB = 7, 16, 200
 STEPS_BEFORE_SAVE, STEPS_AFTER_SAVE = 2, 2

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raychat.packer import BestFitPacker
+from raychat.data.packer import BestFitPacker
 
 BOS = 99
 

@@ -42,7 +42,7 @@ def test_vocab_size_comes_from_the_tokenizer(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raychat.tokenizer_train import train_tokenizer
+    from raychat.tokenizer.train import train_tokenizer
 
     data_dir = tmp_path / "data"
     data_dir.mkdir()

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from raychat import precision
 from raychat.common import RaychatError
-from raychat.precision import Precision, describe_precision, resolve_precision
+from raychat.model import precision
+from raychat.model.precision import Precision, describe_precision, resolve_precision
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")

@@ -15,7 +15,7 @@ import time
 import pytest
 from conftest import s3_uri
 
-from raychat.checkpoint import list_checkpoints
+from raychat.checkpoint.format import list_checkpoints
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig
 from raychat.storage import Storage

@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raychat.common import RaychatError
-from raychat.corpus_index import iter_split_texts
-from raychat.corpus_writer import CorpusWriter
-from raychat.tokenizer import SPECIAL_TOKENS, Tokenizer, check_vocab
-from raychat.tokenizer_eval import evaluate_tokenizer
-from raychat.tokenizer_train import MIN_VOCAB_SIZE, load_hf_tokenizer, train_tokenizer
+from raychat.corpus.index import iter_split_texts
+from raychat.corpus.writer import CorpusWriter
+from raychat.tokenizer.core import SPECIAL_TOKENS, Tokenizer, check_vocab
+from raychat.tokenizer.evaluate import evaluate_tokenizer
+from raychat.tokenizer.train import MIN_VOCAB_SIZE, load_hf_tokenizer, train_tokenizer
 
 VOCAB = 1024
 SEEDS_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"
@@ -233,7 +233,7 @@ def test_loads_and_encodes_inside_a_ray_task(ray_session, tok, tok_dir, corpus):
 
     @ray.remote
     def encode_in_task(directory: str, texts: list[str]) -> tuple[str, list[list[int]]]:
-        from raychat.tokenizer import Tokenizer
+        from raychat.tokenizer.core import Tokenizer
         loaded = Tokenizer.load(directory)
         return loaded.fingerprint, loaded.encode_batch(texts, threads=1)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from trace_audit import assert_epoch1_exactly_once, attempts_by_step
 
-from raychat.checkpoint import OPTIM_FILE, is_complete, list_checkpoints, read_meta
+from raychat.checkpoint.format import OPTIM_FILE, is_complete, list_checkpoints, read_meta
 from raychat.storage import Storage
 
 pytestmark = pytest.mark.ray
@@ -58,7 +58,7 @@ def log_lines(output: str, pattern: re.Pattern) -> list[re.Match]:
 
 
 def final_model_state(run: Storage) -> dict[str, torch.Tensor]:
-    from raychat.checkpoint import latest_valid_checkpoint, load_checkpoint
+    from raychat.checkpoint.format import latest_valid_checkpoint, load_checkpoint
 
     model_state, _, _ = load_checkpoint(latest_valid_checkpoint(run))
     return model_state
@@ -120,7 +120,7 @@ def test_two_workers_learn_log_checkpoint_sample_and_resume(ray_session, tiny_co
     sample = run_sample(storage, "basic", tokenizer_dir, "--max-tokens", "8")
     assert sample.returncode == 0, sample.stderr
     assert "step 16" in sample.stdout and "\nThe" in sample.stdout
-    from raychat.tokenizer_train import train_tokenizer
+    from raychat.tokenizer.train import train_tokenizer
 
     other_tok = tmp_path / "other_tok"
     train_tokenizer(data_dir, other_tok, vocab_size=300, log=lambda *_: None)
@@ -192,7 +192,7 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
 # is covered above and below (resume by name, kill -9, damaged newest, --resume-from-step).
 @pytest.mark.parametrize("storage", ["local"], indirect=True)
 def test_resize_two_to_one_consumes_every_doc_once(ray_session, tiny_corpus, tmp_path, storage):
-    from raychat.corpus_index import CorpusIndex
+    from raychat.corpus.index import CorpusIndex
 
     data_dir, _ = tiny_corpus
     trace = tmp_path / "trace"
@@ -314,7 +314,7 @@ def test_bad_storage_fails_fast_with_one_line_and_writes_nothing(tiny_corpus, tm
 @pytest.mark.parametrize("storage", ["s3"], indirect=True)
 def test_wrong_tokenizer_nan_loss_damaged_checkpoint_and_resume_from_step(ray_session, tiny_corpus, tmp_path,
                                                                           storage):
-    from raychat.tokenizer_train import train_tokenizer
+    from raychat.tokenizer.train import train_tokenizer
 
     data_dir, _ = tiny_corpus
     base = ["--num-workers", "1", "--total-batch-size", "512", "--eval-every", "-1", "--save-every", "3"]

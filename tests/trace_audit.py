@@ -41,8 +41,8 @@ def assert_epoch1_exactly_once(trace_dir: Path, data_dir: Path, cursor: dict) ->
     """No document trained twice; every epoch-1 document trained once or still in flight in the
     final cursor (a long document can wait in the packer's buffer), none lost. Returns how many
     epoch-1 documents were trained."""
-    from raychat.corpus_index import CorpusIndex
-    from raychat.cursor import UnitSchedule, expand
+    from raychat.corpus.index import CorpusIndex
+    from raychat.data.cursor import UnitSchedule, expand
 
     consumed = [doc for ids in read_trace(trace_dir).values() for doc in ids]
     assert len(consumed) == len(set(consumed)), "a document was trained on twice"

@@ -29,13 +29,13 @@ import ray.tune as tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
 import raychat
+from raychat.checkpoint.stop_note import clear_stop_note, read_stop_note
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.plan import plan_vocab_size
 from raychat.scaling import Plan, resolve_plan
-from raychat.stop_note import clear_stop_note, read_stop_note
 from raychat.storage import Storage, join_uri
-from raychat.tokenizer import Tokenizer
+from raychat.tokenizer.core import Tokenizer
 from raychat.train import RunPaths, build_trainer, check_resumable, connect_ray, prepare_inputs
 from tune.report import (
     SWEEP_SPEC_FILE,

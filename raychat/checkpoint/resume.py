@@ -1,0 +1,93 @@
+"""Which checkpoint a run resumes from: one rule, read from the run's storage by everyone.
+
+The driver picks the checkpoint a new run starts from (the newest whole one, or `--resume-from-step`),
+verifies its hashes once and passes its name to the workers. Within that driver's run, Ray may
+restart the worker group (a lost worker, a resize); then the workers resume from the newest
+checkpoint that this run itself wrote, which the driver could not know about. Rank 0 decides and
+every rank follows, so all ranks load the same checkpoint; each rank streams the files once and
+checks their hashes on the way, and if any rank finds damage, all fall back to an earlier one.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from raychat.checkpoint.format import (
+    CheckpointDamaged,
+    damage,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_meta,
+)
+from raychat.common import RaychatError
+from raychat.storage import Storage
+
+
+def driver_choice(run: Storage, resume_from_step: int, log: Callable[[str], None]) -> Storage | None:
+    """The checkpoint a new run starts from, fully verified (hashes), or None for a fresh run."""
+    if resume_from_step >= 0:
+        found = latest_valid_checkpoint(run, step=resume_from_step, log=log)
+        if found is None:
+            steps = ", ".join(c.name for c in list_checkpoints(run)) or "none"
+            raise RaychatError(f"--resume-from-step {resume_from_step}: no complete checkpoint of that step "
+                               f"in {run} (checkpoints there: {steps}); pick one of those or drop the flag")
+        return found
+    return latest_valid_checkpoint(run, log=log)
+
+
+def candidates(run: Storage, session: str, first_choice: str | None) -> list[str]:
+    """Checkpoint names to try, best first: this session's newest if it wrote any (a restart of
+    the worker group), else the driver's choice; then each older whole-looking one as fallback."""
+    looking_whole = [c for c in list_checkpoints(run) if damage(c, deep=False) is None]
+    names = [c.name for c in looking_whole]
+    start = None
+    if looking_whole and read_meta(looking_whole[-1]).get("session") == session:
+        start = len(names) - 1
+    elif first_choice in names:
+        start = names.index(first_choice)
+    if start is None:
+        return []
+    return names[start::-1]
+
+
+class Restore:
+    """Resume state agreed by all ranks: `meta` first (cheap: the loader can start on its cursor),
+    then `load()` the tensors, falling back to an older checkpoint if any rank finds damage."""
+
+    def __init__(self, run: Storage, names: list[str], all_gather: Callable[[Any], list[Any]],
+                 log: Callable[[str], None]):
+        self.run = run
+        self.names = names
+        self.all_gather = all_gather
+        self.log = log
+        self.meta: dict | None = read_meta(run.child(names[0])) if names else None
+
+    @property
+    def checkpoint(self) -> Storage | None:
+        return self.run.child(self.names[0]) if self.names else None
+
+    def load(self, device: torch.device) -> tuple[dict, dict] | None:
+        """(model_state, optim_state) of the first checkpoint every rank loads without damage;
+        None if there is nothing to resume. After a fallback `meta` describes the one loaded."""
+        tried = list(self.names)
+        while self.names:
+            directory = self.run.child(self.names[0])
+            try:
+                model_state, optim_state, meta = load_checkpoint(directory, device=device)
+                problem = None
+            except CheckpointDamaged as e:
+                model_state = optim_state = meta = None
+                problem = str(e)
+            problems = [p for p in self.all_gather(problem) if p is not None]
+            if not problems:
+                self.meta = meta
+                return model_state, optim_state
+            self.log(f"warning: {problems[0]}; using an earlier checkpoint")
+            self.names = self.names[1:]
+            self.meta = read_meta(self.run.child(self.names[0])) if self.names else None
+        if not tried:
+            return None
+        raise RaychatError(f"every checkpoint of {self.run} this run could resume from is damaged "
+                           f"({', '.join(tried)}): restore one from a backup or start a new --run-name")

@@ -1,0 +1,4 @@
+"""The GPT and what computes with it: the network (gpt), attention masks and kernels (attention), the
+chunked soft-capped loss (loss), sampling (generate), FLOPs and peak throughput (flops), dtype choices
+(precision, fp8) and whether torch.compile works here (compile_check).
+"""
