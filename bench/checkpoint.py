@@ -9,8 +9,12 @@ in the same invocation:
   save    the snapshot stall (`CheckpointSaver.save` -> `AsyncCheckpointWriter.snapshot_seconds`,
           all the training thread waits for), one training step taken while the write runs, the
           background write + upload (`write_seconds`) and the bytes it wrote;
-  resume  the driver's verification pass (`damage(deep=True)`) and one rank's `load_checkpoint`,
-          with the bytes each read.
+  resume  the driver's check (`damage`: manifest and sizes), a full hash pass (`damage(deep=True)`,
+          what the driver did before sharded checkpoints) and one rank's `read_share` +
+          `apply_share`, with the bytes each read.
+
+One process saves here (world size 1); what W ranks each write and read is measured by
+tests/test_checkpoint_sharded.py (gloo, 2 ranks).
 
 Bytes are counted by the operating system, not by the code under test: /proc/self/io (rchar, wchar)
 for local disk, loopback traffic (/proc/net/dev `lo`, HTTP headers included, and anything else on
@@ -21,8 +25,10 @@ from above. Local reads come from the page cache (the files were just written).
 
 A training step (forward, backward, optimizer) of the same model on one 1 x 512-token batch gives
 the "stall / step" ratio. From the largest depth measured, a d24 estimate is plain arithmetic:
-model.pt = params x 4 bytes, optim.pt = params x the measured optimizer bytes per parameter,
-seconds = bytes / the measured MB/s.
+model = params x 4 bytes, optimizer = params x the measured optimizer bytes per parameter,
+seconds = bytes / the measured MB/s; bytes per rank at W ranks, sharded (each rank writes and reads
+1/W) against gathered (raychat before sharding: rank 0 wrote everything, every rank and the driver
+read everything).
 
     python -m bench.checkpoint                      # d4 and d12 (a few minutes on 2 cores)
     python -m bench.checkpoint --depths 2 --quick   # smoke test (seconds)
@@ -44,12 +50,15 @@ from pathlib import Path
 
 import torch
 
-from raychat.checkpoint.format import MANIFEST_FILE, checkpoint_dir_name, damage, load_checkpoint
+from raychat.checkpoint.format import MANIFEST_FILE, checkpoint_dir_name, damage, rank_file
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.reader import CheckpointReader
 from raychat.checkpoint.saver import CheckpointSaver
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig
 from raychat.model.gpt import build_model
 from raychat.optim.muon_adamw import build_optimizer
+from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.scaling import resolve_plan
 from raychat.storage import Storage
 
@@ -114,8 +123,8 @@ def measure(depth: int, args: argparse.Namespace, locations: dict[str, str]) -> 
 
     step()  # populates the optimizer state; also the slow first step, so not timed
     step_s = statistics.median(step() for _ in range(args.steps))
-    model_state, optim_state = model.state_dict(), optimizer.state_dict()
-    meta = {"step": 1, "model_config": asdict(plan.model)}
+    pieces, plain = state_pieces(model, optimizer, 1, 0)
+    meta = CheckpointMeta(step=1, model_config=asdict(plan.model))
     result = {"depth": depth, "params": plan.params["total"], "flops_per_token": plan.flops_per_token,
               "batch": f"1 x {args.seq_len} tokens", "step_s": step_s, "backends": {}}
     print(f"d{depth}: {plan.params['total'] / 1e6:,.1f} M params, training step {step_s:.2f} s "
@@ -123,9 +132,9 @@ def measure(depth: int, args: argparse.Namespace, locations: dict[str, str]) -> 
 
     for backend, location in locations.items():
         run = Storage(location).child(f"d{depth}")
-        saver = CheckpointSaver(run, keep=0, enabled=True, log=lambda _: None)
+        saver = CheckpointSaver(run, keep=0, rank=0, world_size=1, log=lambda _: None)
         read0, written0 = os_bytes(backend)
-        saver.save(1, model_state, optim_state, meta)
+        saver.save(1, pieces, "bench", meta, extra=plain)
         stall_s = saver.writer.snapshot_seconds
         step_during_write_s = step()  # what the 2 cores give training while the writer hashes and uploads
         write_outlasted_step = not saver.writer.done()
@@ -135,23 +144,30 @@ def measure(depth: int, args: argparse.Namespace, locations: dict[str, str]) -> 
         files = json.loads(directory.read_bytes(MANIFEST_FILE))["files"]
 
         read0 = os_bytes(backend)[0]
+        problem = damage(directory)
+        driver_read = os_bytes(backend)[0] - read0
+        read0 = os_bytes(backend)[0]
         start = time.perf_counter()
-        problem = damage(directory, deep=True)
+        problem = problem or damage(directory, deep=True)
         verify_s, verify_read = time.perf_counter() - start, os_bytes(backend)[0] - read0
         if problem is not None:
             raise RaychatError(f"the checkpoint just written to {directory} is damaged: {problem}")
         read0 = os_bytes(backend)[0]
         start = time.perf_counter()
-        loaded = load_checkpoint(directory)
+        with CheckpointReader(directory) as reader:
+            share = read_share(reader, model, optimizer, 1, 0)
+        apply_share(share, model, optimizer, 1, torch.device("cpu"))
         load_s, load_read = time.perf_counter() - start, os_bytes(backend)[0] - read0
-        del loaded
+        del share
         checkpoint_bytes = sum(entry["bytes"] for entry in files.values())
+        params = plan.params["total"]
         result["backends"][backend] = {
             "stall_s": stall_s, "stall_per_step": stall_s / step_s,
             "step_during_write_s": step_during_write_s,
             "write_outlasted_step": write_outlasted_step, "write_s": saver.writer.write_seconds,
             "bytes_written": written, "checkpoint_bytes": checkpoint_bytes,
-            "model_bytes": files["model.pt"]["bytes"], "optim_bytes": files["optim.pt"]["bytes"],
+            "model_bytes": 4 * params, "optim_bytes": checkpoint_bytes - 4 * params,
+            "shard_bytes": files[rank_file(0, 1)]["bytes"], "driver_bytes_read": driver_read,
             "verify_s": verify_s, "verify_bytes_read": verify_read,
             "load_s": load_s, "load_bytes_read": load_read,
         }
@@ -183,7 +199,7 @@ def d24_estimate(base: dict, args: argparse.Namespace) -> dict:
 
 
 HEADER = ("depth backend | stall ms | stall/step | step while writing s | write s (MB/s)  | written GB "
-          "| verify s (MB/s)  | load s (MB/s)    | read per rank GB (x ckpt)")
+          "| verify s (MB/s)  | load s (MB/s)    | driver read B | read per rank GB (x ckpt)")
 
 
 def row(r: dict, backend: str) -> str:
@@ -192,7 +208,7 @@ def row(r: dict, backend: str) -> str:
             f"{m['step_during_write_s']:8.2f} (alone {r['step_s']:.2f}) | "
             f"{m['write_s']:6.2f} ({gb * 1e3 / m['write_s']:5.0f}) | {m['bytes_written'] / 1e9:10.3f} | "
             f"{m['verify_s']:6.2f} ({gb * 1e3 / m['verify_s']:5.0f}) | "
-            f"{m['load_s']:6.2f} ({gb * 1e3 / m['load_s']:5.0f}) | "
+            f"{m['load_s']:6.2f} ({gb * 1e3 / m['load_s']:5.0f}) | {m['driver_bytes_read']:>11,} | "
             f"{m['load_bytes_read'] / 1e9:.3f} ({m['load_bytes_read'] / m['checkpoint_bytes']:.2f}x)")
 
 
@@ -207,11 +223,16 @@ def report(results: list[dict], estimate: dict) -> None:
         print(f"d{r['depth']:<4} " + ", ".join(f"{key.removesuffix('_s')} {s3[key] / local[key]:.2f}x"
                                               for key in ("stall_s", "write_s", "verify_s", "load_s")))
     e = estimate
-    print(f"\nd24 estimate (arithmetic from d{e['from_depth']}): {e['params'] / 1e6:,.0f} M params; model.pt "
-          f"{e['model_bytes'] / 1e9:.2f} GB (4 B/param) + optim.pt {e['optim_bytes'] / 1e9:.2f} GB "
-          f"({e['optim_bytes_per_param']:.2f} B/param) = "
-          f"{(e['model_bytes'] + e['optim_bytes']) / 1e9:.2f} GB "
-          f"read per rank; step ~{e['step_s']:.1f} s (FLOPs-scaled)")
+    total = e["model_bytes"] + e["optim_bytes"]
+    print(f"\nd24 estimate (arithmetic from d{e['from_depth']}): {e['params'] / 1e6:,.0f} M params; model "
+          f"{e['model_bytes'] / 1e9:.2f} GB (4 B/param) + optimizer {e['optim_bytes'] / 1e9:.2f} GB "
+          f"({e['optim_bytes_per_param']:.2f} B/param) = {total / 1e9:.2f} GB; step ~{e['step_s']:.1f} s "
+          "(FLOPs-scaled)")
+    for world in (8, 16, 64):
+        print(f"  W={world:<3} per rank: sharded writes/reads {total / world / 1e9:.2f} GB, gathered "
+              f"rank 0 wrote {total / 1e9:.2f} GB and every rank read {total / 1e9:.2f} GB "
+              f"(x{world}); a resume reads {total / 1e9:.2f} GB in all, gathered "
+              f"{total * (world + 1) / 1e9:.0f} GB")
     for backend, b in e["backends"].items():
         print(f"  {backend:<6} stall {b['stall_s']:.1f} s ({b['stall_per_step']:.2f} step), write "
               f"{b['write_s']:.0f} s, driver verify {b['verify_s']:.0f} s, load per rank {b['load_s']:.0f} s")

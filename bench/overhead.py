@@ -6,8 +6,9 @@ schedules and rows, and print nanochat's step line, which this script parses:
 - raychat: `python -m raychat.train` as a subprocess, the real driver path: a local Ray instance,
   a TorchTrainer with one worker, the Ray Data loader feeding it.
 - plain: this script's child process, no Ray: the rows raychat's TrainLoader delivers (materialised
-  once into the cache dir), then the loop of raychat's worker (micro-batches, loss scaled by the
-  global token count, schedules, MuonAdamW step, one host sync) and nothing else.
+  once into the cache dir), fed to the worker's own step function (raychat.run.step.train_step:
+  micro-batches, loss scaled by the global token count, schedules, MuonAdamW step, one host sync)
+  and nothing else.
 
 Same rows and the same arithmetic give the same losses, so the losses of the two step lines must
 agree (checked); anything else would mean the comparison is not like for like. Reported: steady-state
@@ -36,12 +37,18 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from raychat.common import RaychatError, raychat_home, run_cli
 from raychat.config import TrainConfig
 from raychat.corpus.index import CorpusIndex, list_shards
+
+if TYPE_CHECKING:
+    import torch
+
+    from raychat.scaling import Plan
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -51,7 +58,7 @@ TARGET_RATIO = 0.97
 
 
 def bench_config(args: argparse.Namespace) -> TrainConfig:
-    """The run both sides train (DESIGN's configuration A by default), evaluation kept out of the way:
+    """The run both sides train (d4, T 512, batch 8 x 512 by default), evaluation kept out of the way:
     raychat evaluates, samples and saves once, after the last step."""
     return TrainConfig(depth=args.depth, head_dim=64, max_seq_len=args.max_seq_len, window_pattern="L",
                        device_batch_size=args.device_batch_size, total_batch_size=args.total_batch_size,
@@ -110,20 +117,41 @@ def prepare_rows(cache_dir: Path, data_dir: Path, tokenizer_dir: Path, seq_len: 
 # The plain loop (child process)
 
 
+class SavedRows:
+    """The rows prepare_rows saved, handed out in order (a loader without Ray for train_step)."""
+
+    def __init__(self, rows: "torch.Tensor"):
+        self.rows, self.next = rows, 0
+
+    def next_rows(self, n: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        chunk = self.rows[self.next:self.next + n]
+        self.next += n
+        return chunk[:, :-1], chunk[:, 1:]
+
+
+@dataclass
+class PlainComponents:
+    """What raychat.run.step.train_step computes with, built without Ray (no saver, no metrics)."""
+
+    cfg: TrainConfig
+    plan: "Plan"
+    device: "torch.device"
+    model: "torch.nn.Module"
+    optimizer: "torch.optim.Optimizer"
+    loader: SavedRows
+    micro_slices: list[slice]
+
+
 def plain_main(spec: dict) -> int:
-    """raychat worker's step loop without Ray: same model, optimizer, schedules and rows."""
+    """raychat worker's step (raychat.run.step.train_step) without Ray: same model, optimizer,
+    schedules and rows."""
     import torch
 
     from raychat.model.gpt import build_model
     from raychat.optim.muon_adamw import build_optimizer
-    from raychat.run.metrics import counts_toward_total_time, eta_seconds, format_step_line, smooth_loss
-    from raychat.scaling import (
-        lr_multiplier,
-        micro_batch_sizes,
-        muon_momentum,
-        muon_weight_decay,
-        resolve_plan,
-    )
+    from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
+    from raychat.run.step import micro_slices, train_step
+    from raychat.scaling import resolve_plan
     from raychat.tokenizer.core import Tokenizer
 
     cfg = TrainConfig.from_dict(spec["config"])
@@ -134,38 +162,25 @@ def plain_main(spec: dict) -> int:
     optimizer = build_optimizer(model, embedding_lr=cfg.embedding_lr * scale,
                                 unembedding_lr=cfg.unembedding_lr * scale, matrix_lr=cfg.matrix_lr * scale,
                                 scalar_lr=cfg.scalar_lr * scale, weight_decay=plan.weight_decay)
-    R, T, steps = plan.rows_per_step, cfg.max_seq_len, plan.num_iterations
-    saved = torch.from_numpy(np.load(spec["rows_file"])[:R * steps].astype(np.int64))
-    batches = [(saved[s * R:(s + 1) * R, :-1], saved[s * R:(s + 1) * R, 1:]) for s in range(steps)]
-    sizes = micro_batch_sizes(R, cfg.device_batch_size)
-    bounds = np.cumsum([0, *sizes])
-    inv_global_tokens = 1.0 / (R * T)
-    print(f"plain loop: {torch.get_num_threads()} torch threads, micro-batches {sizes}", flush=True)
+    steps = plan.num_iterations
+    rows = torch.from_numpy(np.load(spec["rows_file"])[:plan.rows_per_step * steps].astype(np.int64))
+    slices = micro_slices(plan.rows_per_step, cfg.device_batch_size)
+    parts = PlainComponents(cfg, plan, torch.device("cpu"), model, optimizer, SavedRows(rows), slices)
+    print(f"plain loop: {torch.get_num_threads()} torch threads, micro-batches "
+          f"{[s.stop - s.start for s in slices]}", flush=True)
 
     smooth, total_time = 0.0, 0.0
     for step in range(steps):
-        t0 = time.perf_counter()
-        x, y = batches[step]
-        loss_sum = torch.zeros(())
-        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
-            loss = model(x[start:stop], y[start:stop], loss_reduction="sum")
-            (loss * inv_global_tokens).backward()
-            loss_sum += loss.detach()
-        lrm = lr_multiplier(step, steps, cfg.warmup_steps, cfg.warmdown_ratio, cfg.final_lr_frac)
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * lrm
-            if group["kind"] == "muon":
-                group["momentum"] = muon_momentum(step, steps, cfg.warmdown_ratio)
-                group["weight_decay"] = muon_weight_decay(step, steps, plan.weight_decay)
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-        train_loss = loss_sum.item() * inv_global_tokens
-        dt = time.perf_counter() - t0
-        smooth, debiased = smooth_loss(smooth, train_loss, step)
+        result = train_step(parts, step)
+        dt = result.dt
+        smooth, debiased = smooth_loss(smooth, result.loss, step)
         if counts_toward_total_time(step):
             total_time += dt
-        print(format_step_line(step, steps, debiased, lrm, dt, plan.total_batch_size / dt, None, 1, 0, 0,
-                               total_time, eta_seconds(step, steps, total_time)), flush=True)
+        tokens = (step + 1) * plan.total_batch_size
+        record = StepMetrics(step, steps, debiased, result.loss, result.lrm, dt, plan.total_batch_size / dt,
+                             None, 1, 0, 0, total_time, eta_seconds(step, steps, total_time), 0.0, 1, tokens,
+                             tokens * plan.flops_per_token)
+        print(record.line(), flush=True)
         if step == 0:  # nanochat's (and raychat's) GC handling
             gc.collect()
             gc.freeze()
@@ -367,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             print(summarise(plain, args.skip, cfg.total_batch_size), flush=True)
             raychat_cmd = [sys.executable, "-m", "raychat.train", *flags, f"--data-dir={data_dir}",
                            f"--tokenizer-dir={tokenizer_dir}", f"--storage-path={tmp}/runs",
-                           f"--run-name=overhead_{repeat}"]
+                           f"--run-name=overhead_{repeat}", "--core-metric-every=-1"]
             ours = run_and_parse("raychat", raychat_cmd, env, log_dir / f"raychat_{repeat}.log", args.skip,
                                  last)
             print(summarise(ours, args.skip, cfg.total_batch_size), flush=True)

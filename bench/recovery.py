@@ -26,52 +26,40 @@ import os
 import queue
 import re
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from bench.multinode import (
+    STEP,
+    add_node,
+    follow,
+    local_cluster,
+    prepare_inputs,
+    start_driver,
+    tiny_run_flags,
+    use_token_auth,
+)
+
 SETTINGS = {
     "default": ({}, {}),
     "recommended": ({"health_check_period_ms": 1000, "health_check_failure_threshold": 3}, {}),
 }
-NODE = {"num_cpus": 1, "object_store_memory": 150 * 2**20}
-STEP = re.compile(r"^step (\d{5})/")
-
-
-def prepare_inputs(root: Path) -> tuple[Path, Path]:
-    from raychat.corpus.fixture import write_synthetic_corpus
-    from raychat.tokenizer.train import train_tokenizer
-
-    data, tok = root / "data", root / "tokenizer"
-    write_synthetic_corpus(data, num_docs=20_000, docs_per_shard=2_000)
-    train_tokenizer(data, tok, vocab_size=512, log=lambda *_: None)
-    return data, tok
-
-
-def follow(proc: subprocess.Popen, lines: "queue.Queue[tuple[float, str]]") -> None:
-    for line in proc.stdout:
-        lines.put((time.monotonic(), line.rstrip("\n")))
-    lines.put((time.monotonic(), None))
 
 
 def measure(name: str, data: Path, tok: Path, storage: Path, show_timeline: bool = False) -> dict:
-    from ray.cluster_utils import Cluster
-
     system_config, env = SETTINGS[name]
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 150 * 2**20, "_system_config": system_config})
-    nodes = [cluster.add_node(**NODE) for _ in range(2)]
-    flags = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
-             "--window-pattern", "L", "--device-batch-size", "8", "--total-batch-size", "2048",
-             "--num-iterations", "400", "--eval-every", "-1", "--sample-every", "-1", "--save-every", "10",
-             "--num-workers", "1:2", "--cpus-per-worker", "1", "--placement-strategy", "SPREAD",
-             "--resize-check-every", "5", "--data-dir", str(data), "--tokenizer-dir", str(tok),
-             "--storage-path", str(storage), "--run-name", name]
-    proc = subprocess.Popen([sys.executable, "-m", "raychat.train", *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **env, "RAY_ADDRESS": cluster.address})
+    with local_cluster(2, system_config) as (cluster, nodes):
+        flags = [*tiny_run_flags(data, tok, storage, name), "--num-iterations", "400", "--save-every", "10",
+                 "--num-workers", "1:2", "--resize-check-every", "5"]
+        proc = start_driver(flags, {**env, "RAY_ADDRESS": cluster.address}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+        return follow_recovery(name, cluster, nodes, proc, show_timeline)
+
+
+def follow_recovery(name: str, cluster, nodes: list, proc, show_timeline: bool) -> dict:
+    """Kill a node at step 20, add it back 10 steps after the shrink, time both from the driver's lines."""
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=follow, args=(proc, lines), daemon=True).start()
     events: dict[str, float] = {}
@@ -102,7 +90,7 @@ def measure(name: str, data: Path, tok: Path, storage: Path, show_timeline: bool
                 events["shrunk"], events["shrunk_step"] = t, last_step
                 result["loss_to_step_s"] = round(t - events["loss"], 1)
             elif "shrunk" in events and "back" not in events and last_step >= events["shrunk_step"] + 10:
-                nodes.append(cluster.add_node(**NODE))
+                nodes.append(add_node(cluster))
                 events["back"] = time.monotonic()
             elif "back" in events and workers == 2:
                 result["back_to_grown_s"] = round(t - events["back"], 1)
@@ -111,7 +99,6 @@ def measure(name: str, data: Path, tok: Path, storage: Path, show_timeline: bool
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-        cluster.shutdown()
     if show_timeline:
         print(f"{name}: what the driver printed between the node's death and the next step", flush=True)
         print("\n".join(timeline), flush=True)
@@ -128,9 +115,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"),
                         help="directory for recovery.json")
     args = parser.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    if not Path("~/.ray/auth_token").expanduser().exists():
-        os.environ.setdefault("RAY_AUTH_TOKEN", os.urandom(16).hex())
+    use_token_auth()
     results = []
     with tempfile.TemporaryDirectory(prefix="raychat-recovery-") as tmp:
         data, tok = prepare_inputs(Path(tmp))

@@ -13,7 +13,7 @@ launching the process to the end of the first step, and the first step's own dur
 compiled model: mostly compilation).
 
 Ratios printed in the same run: compiled vs eager steady state, and each against nanochat's figures
-on this kind of machine (DESIGN.md, "Reference figures": A 1,370 tok/s, B 780 tok/s, compiled).
+measured on this kind of machine (NANOCHAT_TOK_PER_SEC below; bench/RESULTS.md).
 
     python -m bench.step                         # configurations A and B, eager and compiled (~15 min)
     python -m bench.step --quick                 # smoke test: a tiny model, 2 steps per variant
@@ -48,8 +48,9 @@ from raychat.model.precision import DTYPES, Precision, auto_dtype
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.scaling import micro_batch_sizes, resolve_plan
 
-# DESIGN.md, "Reference figures": nanochat on 2 cores, torch 2.13.0 CPU, compiled, median tok/s and
-# seconds to the first step with a cold / warm compile cache.
+# nanochat's own base_train at configurations A and B, measured 2026-11-30 on 2 cores without bf16
+# instructions, torch 2.13.0 CPU, compiled: median tok/s and seconds to the first step with a cold /
+# warm compile cache. Ratios against them hold only on such a machine (bench/RESULTS.md).
 NANOCHAT_TOK_PER_SEC = {"A": 1370, "B": 780}
 NANOCHAT_FIRST_STEP_S = {"A": (65, 11), "B": (92, 30)}
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # children run `-m bench.step`
@@ -73,7 +74,7 @@ class BenchConfig:
                 f"vocab {self.vocab_size}")
 
 
-# DESIGN's reference configurations (A, B); nanochat's GPU shapes for MFU; the --quick stand-ins
+# The reference CPU configurations (A, B); nanochat's GPU shapes for MFU; the --quick stand-ins
 # (two micro-batches per step, so gradient accumulation is exercised too).
 CPU_CONFIGS = {
     "A": BenchConfig("A", depth=4, device_batch_size=8, total_batch_size=4096),
@@ -328,7 +329,7 @@ def compare_dtypes(results: dict[tuple[str, str, str], dict], name: str, mode: s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="A,B", help="CPU configurations: A, B (DESIGN's) or specs "
+    parser.add_argument("--configs", default="A,B", help="CPU configurations: A, B (reference) or specs "
                         "dDEPTHxBATCH[/TOTAL] at head-dim 64, T 512, window L (default: A,B)")
     parser.add_argument("--modes", default="eager,compile", help="eager, compile or both (default: both)")
     parser.add_argument("--dtypes", default="auto", help="activation dtypes, each a variant: auto, bf16, "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raychat.common import RaychatError
+from raychat.storage import redact
 
 
 def _flag(default: Any, help: str, group: str, **kw: Any) -> Any:
@@ -54,8 +55,9 @@ class TrainConfig:
                               "(-1 = corpus order, as nanochat reads it)", "data")
     compile: str = _flag("auto", "torch.compile the model: auto (on for CUDA, off on CPU), on, off",
                          "optimization", choices=("auto", "on", "off"))
-    dtype: str = _flag("auto", "activation dtype (weights stay fp32): auto (bf16 on CUDA SM80+, fp32 on "
-                       "CPU), bf16, fp32", "optimization", choices=("auto", "bf16", "fp32"))
+    dtype: str = _flag("auto", "activation dtype (weights stay fp32): auto (bf16 on CUDA SM80+ and on CPUs "
+                       "with avx512_bf16/amx_bf16, else fp32), bf16, fp32", "optimization",
+                       choices=("auto", "bf16", "fp32"))
     fp8: bool = _flag(False, "FP8 training of the transformer's large matmuls through torchao (CUDA SM89+; "
                       "pip install 'raychat[fp8]')", "optimization")
     fp8_recipe: str = _flag("tensorwise", "FP8 scaling recipe: tensorwise (faster) or rowwise (more "
@@ -66,13 +68,24 @@ class TrainConfig:
     eval_tokens: int = _flag(80 * 524288, "validation tokens per evaluation", "evaluation")
     sample_every: int = _flag(2000, "print greedy samples every N steps (-1 = only at the end)", "evaluation")
     save_every: int = _flag(-1, "save a checkpoint every N steps (-1 = only at the end)", "evaluation")
+    core_metric_every: int = _flag(2000, "evaluate nanochat's CORE metric every N steps and at the end "
+                                   "(-1 or 0 = off); needs the eval bundle (see --eval-bundle)", "evaluation")
+    core_metric_max_per_task: int = _flag(500, "examples per CORE task, a fixed seeded subsample (-1 = all)",
+                                          "evaluation")
+    eval_bundle: str = _flag("", "CORE eval bundle directory (default $RAYCHAT_HOME/eval_bundle; fetched on "
+                             "first use when the network allows: python -m raychat.corpus "
+                             "download-eval-bundle)", "evaluation")
     run: str = _flag("dummy", "wandb run name ('dummy' disables wandb)", "evaluation")
     model_tag: str = _flag("", "name of the model in checkpoints and the default run name (default d<depth>)",
                            "evaluation")
+    verbose: bool = _flag(False, "also show Ray's own chatter: its line per report to Ray Train, Ray Data's "
+                          "lines per dataset, Ray's warnings about its own internals (or RAYCHAT_VERBOSE=1)",
+                          "evaluation")
     resume_from_step: int = _flag(-1, "resume the run from its checkpoint at this step (-1 = latest, if any)",
                                   "evaluation")
     # --- data ---
-    data_dir: str = _flag("", "corpus directory of shard_*.parquet (default $RAYCHAT_HOME/data)", "data")
+    data_dir: str = _flag("", "corpus directory of shard_*.parquet, or a bucket URI such as "
+                          "s3://bucket/climbmix (default $RAYCHAT_HOME/data)", "data")
     tokenizer_dir: str = _flag("", "tokenizer directory (default $RAYCHAT_HOME/tokenizer)", "data")
     vocab_size: int = _flag(32768, "vocabulary size when a tokenizer has to be trained first", "data")
     # --- Ray ---
@@ -117,6 +130,8 @@ class TrainConfig:
                                f"got {self.total_batch_size}")
         if not 0 <= self.warmdown_ratio <= 1:
             raise RaychatError(f"--warmdown-ratio must be within [0, 1], got {self.warmdown_ratio}")
+        if not 0 <= self.final_lr_frac <= 1:  # outside, the lr multiplier would turn negative or overshoot
+            raise RaychatError(f"--final-lr-frac must be within [0, 1], got {self.final_lr_frac}")
         self.worker_range()  # raises on a malformed --num-workers
         if self.resize_check_every < 0:
             raise RaychatError(f"--resize-check-every must be >= 0 seconds, got {self.resize_check_every}")
@@ -145,6 +160,14 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_public_dict(self) -> dict[str, Any]:
+        """The flags as they may be shown and stored (checkpoint metadata, wandb): the locations
+        without the credentials a URI can carry (raychat.storage.redact)."""
+        values = self.to_dict()
+        for name in ("storage_path", "data_dir", "tokenizer_dir"):
+            values[name] = redact(values[name])
+        return values
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
         known = {f.name for f in dataclasses.fields(cls)}
@@ -153,11 +176,11 @@ class TrainConfig:
 
 # Presets: a named set of flag values applied before the user's own flags.
 PRESETS: dict[str, dict[str, Any]] = {
-    # A model that learns visibly within minutes on 2 CPU cores (DESIGN, reference configuration A).
+    # A model that learns visibly within minutes on 2 CPU cores (bench.step's configuration A).
     "cpu": dict(
         depth=4, head_dim=64, max_seq_len=512, window_pattern="L", device_batch_size=8,
         total_batch_size=4096, num_iterations=200, warmup_steps=20, eval_every=50,
-        eval_tokens=16 * 4096, sample_every=200, save_every=50, vocab_size=8192,
+        eval_tokens=16 * 4096, sample_every=200, save_every=50, vocab_size=8192, core_metric_every=-1,
     ),
 }
 

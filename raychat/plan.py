@@ -10,10 +10,11 @@ import argparse
 import json
 from pathlib import Path
 
-from raychat.common import default_data_dir, default_tokenizer_dir, run_cli
+from raychat.common import RaychatError, default_data_dir, default_tokenizer_dir, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.corpus.index import list_shards
 from raychat.data.budget import budget_lines, corpus_budget
+from raychat.memory import GPU_MEMORY_GIB, estimate_memory, format_memory, gpu_memory_gib
 from raychat.scaling import format_plan, resolve_plan
 from raychat.tokenizer.core import META_FILE, Tokenizer
 
@@ -23,6 +24,7 @@ examples:
   python -m raychat.plan --preset cpu               # the laptop-CPU configuration
   python -m raychat.plan --depth 12 --total-batch-size 65536 --num-iterations 10000 --json
   python -m raychat.plan --depth 20 --num-workers 8 # the batch layout over 8 workers
+  python -m raychat.plan --depth 24 --num-workers 8 --gpu H100   # does a rank fit an 80 GB H100?
 
 The vocabulary size comes from the tokenizer in --tokenizer-dir when one is there, else from
 --vocab-size (the size `raychat.train` would train a tokenizer with). With a corpus in --data-dir and
@@ -39,6 +41,19 @@ def plan_vocab_size(cfg: TrainConfig) -> tuple[int, str]:
     return cfg.vocab_size, "--vocab-size, no tokenizer yet"
 
 
+def device_memory(gpu: str, gpu_memory: float) -> tuple[float | None, str]:
+    """(GiB, name) of the device to check the estimate against: --gpu-memory, else --gpu's table entry."""
+    if gpu_memory > 0:
+        return gpu_memory, gpu or "the device"
+    if not gpu:
+        return None, ""
+    gib = gpu_memory_gib(gpu)
+    if gib is None:
+        raise RaychatError(f"--gpu {gpu!r} is not a device raychat knows; give its size with "
+                           "--gpu-memory GIB")
+    return gib, gpu
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m raychat.plan",
@@ -48,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--gpu", default="", help="check the memory estimate against this device, e.g. H100, "
+                        f"A100 40GB, RTX 4090 (known: {', '.join(sorted(GPU_MEMORY_GIB))})")
+    parser.add_argument("--gpu-memory", type=float, default=0.0, metavar="GIB",
+                        help="check the memory estimate against a device of this many GiB")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
     vocab_size, vocab_source = plan_vocab_size(cfg)
@@ -60,12 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     budget = None
     if data_dir.is_dir() and list_shards(data_dir) and (tokenizer_dir / META_FILE).is_file():
         budget = corpus_budget(plan.total_tokens, data_dir, Tokenizer.load(tokenizer_dir))
+    memory = estimate_memory(plan.params, plan.model.n_layer, plan.model.n_embd, plan.model.vocab_size,
+                             plan.model.sequence_len, plan.device_batch_size, world_size)
+    device_gib, device = device_memory(args.gpu, args.gpu_memory)
     if args.json:
-        print(json.dumps({**plan.to_json(), "vocab_source": vocab_source,
+        print(json.dumps({**plan.to_json(), "vocab_source": vocab_source, "memory": memory.to_json(),
                           "corpus": budget.to_json() if budget else None}))
     else:
         print(f"raychat plan for {cfg.tag} (vocab size from {vocab_source})")
         print(format_plan(plan))
+        print("\n".join(format_memory(memory, device_gib, device)))
         for line in budget_lines(budget) if budget else [f"corpus: none sized yet (needs a corpus in "
                                                         f"{data_dir} and a tokenizer in {tokenizer_dir})"]:
             print(line)

@@ -9,7 +9,8 @@ import argparse
 
 import torch
 
-from raychat.checkpoint.format import latest_valid_checkpoint, load_checkpoint, read_meta
+from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
+from raychat.checkpoint.reader import load_checkpoint
 from raychat.common import RaychatError, default_storage_path, default_tokenizer_dir, run_cli
 from raychat.model.generate import generate
 from raychat.model.gpt import GPTConfig, build_model
@@ -52,14 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = find_checkpoint(run, args.step)
     tokenizer = Tokenizer.load(args.tokenizer_dir or default_tokenizer_dir())
     meta = read_meta(ckpt)
-    check_vocab(tokenizer, meta["vocab_size"], meta.get("tokenizer_fingerprint"), str(ckpt))
+    check_vocab(tokenizer, meta.vocab_size, meta.tokenizer_fingerprint, str(ckpt))
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model_state, _, meta = load_checkpoint(ckpt, device=device, load_optimizer=False)
-    model = build_model(GPTConfig(**meta["model_config"]), device)
+    model_state, _, meta = load_checkpoint(ckpt, load_optimizer=False)
+    model = build_model(GPTConfig(**meta.model_config), device)
     model.load_state_dict(model_state, strict=True)
     model.eval()
-    print(f"# {ckpt} (step {meta['step']}, val bpb {meta.get('val_bpb')})", flush=True)
+    print(f"# {ckpt} (step {meta.step}, val bpb {meta.val_bpb})", flush=True)
     for prompt in args.prompt or SAMPLE_PROMPTS:
         tokens = [tokenizer.bos_id] + tokenizer.encode(prompt)
         new = generate(model, tokens, max_tokens=args.max_tokens, temperature=args.temperature,

@@ -6,8 +6,8 @@ resolved by one pure function, `resolve_plan`, so `python -m raychat.plan` can s
 starts, the trainer prints the same table at start-up, and tests can check every rule by hand.
 
 The global batch is a whole number of rows of T tokens. How those rows are dealt to W workers and cut
-into micro-batches also lives here, because the batch has to stay the same whatever W is
-(DESIGN.md, "Global batch is invariant to world size").
+into micro-batches also lives here, because the batch has to stay the same whatever W is: the
+update is the same function of the same rows at any world size.
 """
 
 import dataclasses
@@ -65,6 +65,19 @@ class Plan:
         out = dataclasses.asdict(self)  # the GPTConfig becomes a nested dict
         out["total_flops"] = self.total_flops
         return out
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> "Plan":
+        """The plan `to_json` wrote (the driver ships it to the workers this way)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        plan = {k: v for k, v in values.items() if k in fields}
+        return cls(**{**plan, "model": GPTConfig(**plan["model"])})
+
+    def at_world_size(self, world_size: int) -> "Plan":
+        """The same run dealt to `world_size` workers: only the batch layout changes (an elastic
+        group can run at any size of its range)."""
+        accum = grad_accum_steps(self.rows_per_step, world_size, self.device_batch_size)
+        return dataclasses.replace(self, world_size=world_size, grad_accum_steps=accum)
 
 
 # ----------------------------------------------------------------------------------------------------

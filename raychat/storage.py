@@ -8,12 +8,13 @@ URI's path, never appended after its `?query` and never through `pathlib` (which
 `s3:/`).
 """
 
+import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -37,6 +38,27 @@ def join_uri(location: str, *names: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, parts.fragment))
 
 
+# Query parameters that carry credentials (pyarrow's S3 options access_key, secret_key, session_token,
+# and their like on other stores), matched anywhere in the name.
+SECRET_PARAM = re.compile(r"key|token|secret|password|credential", re.IGNORECASE)
+
+
+def redact(location: str) -> str:
+    """`location` safe to print, log or store: a URI's user:password@ and credential parameters
+    (`s3://KEY:SECRET@bucket/...`, `?secret_key=...`, which pyarrow accepts) become `***`."""
+    if not is_uri(location):
+        return location
+    parts = urlsplit(location)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if SECRET_PARAM.search(k) else v) for k, v in pairs], safe="*:/")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
 def normalize_location(location: str) -> str:
     """An absolute local path (user and relative paths resolved) or the URI as given."""
     if is_uri(location):
@@ -54,16 +76,17 @@ class Storage:
                 filesystem, root = pafs.FileSystem.from_uri(self.location)
             except (pa.ArrowException, OSError, ValueError) as e:
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise RaychatError(f"cannot open storage {self.location}: {reason}; check the URI's scheme, "
-                                   "bucket and query parameters") from None
+                raise RaychatError(f"cannot open storage {redact(self.location)}: {reason}; check the URI's "
+                                   "scheme, bucket and query parameters") from None
         self.fs = filesystem
         self.root = root.rstrip("/") or "/"
 
     def __repr__(self) -> str:
-        return f"Storage({self.location!r})"
+        return f"Storage({redact(self.location)!r})"
 
     def __str__(self) -> str:
-        return self.location
+        """The location without credentials: what every message and log line shows."""
+        return redact(self.location)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Storage) and other.location == self.location
@@ -157,7 +180,7 @@ class Storage:
             self.write_bytes(probe, b"ok")
             self.delete(probe)
         except (OSError, pa.ArrowException) as e:
-            raise RaychatError(f"{flag} {self.location} is not writable: {_storage_reason(e)}") from None
+            raise RaychatError(f"{flag} {self} is not writable: {_storage_reason(e)}") from None
 
 
 Location = str | Path | Storage

@@ -7,11 +7,9 @@ tested against it), on free ports and its own temp dir, so parallel test runs ne
 teardown stops exactly the processes this session started.
 """
 
-import contextlib
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +17,9 @@ import tempfile
 import time
 
 import pytest
+from core_bundle import write_word_bundle
+
+from bench.multinode import stop_processes_under
 
 # Tests never reach the internet: corpus preparation falls back to the offline sample corpus.
 os.environ.setdefault("RAYCHAT_OFFLINE", "1")
@@ -38,12 +39,19 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "raychat-test")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "raychat-test")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+# Where moto's request recorder (off unless a test starts it: tests/test_bucket.py counts range reads)
+# would write, read by moto at import: a temp file, not the working directory.
+os.environ.setdefault("MOTO_RECORDER_FILEPATH",
+                      os.path.join(tempfile.gettempdir(), f"raychat_moto_recording_{os.getpid()}.jsonl"))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def raychat_home(tmp_path_factory):
     """Keep every test away from the user's ~/.cache/raychat."""
     home = tmp_path_factory.mktemp("raychat_home")
+    # Every training run scores CORE at its end by default (--core-metric-every), and the driver refuses
+    # to start without an eval bundle: a tiny one in the default place (tests/core_bundle.py).
+    write_word_bundle(home / "eval_bundle")
     old = os.environ.get("RAYCHAT_HOME")
     os.environ["RAYCHAT_HOME"] = str(home)
     yield home
@@ -57,26 +65,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def stop_processes_under(marker: str) -> None:
-    """Stop every process whose command line mentions `marker` (our cluster's temp dir)."""
-    import psutil
-
-    procs = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if p.pid != os.getpid() and marker in " ".join(p.info["cmdline"] or []):
-                procs.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
 
 
 class RayCluster:

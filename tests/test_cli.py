@@ -11,8 +11,9 @@ from raychat.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = [
-    ["raychat.train"], ["raychat.plan"], ["raychat.sample"], ["raychat.corpus"],
-    ["raychat.tokenizer"], ["tune.sweep"], ["tune.report"],
+    ["raychat.train"], ["raychat.plan"], ["raychat.sample"], ["raychat.corpus"], ["raychat.evaluate"],
+    ["raychat.evaluate", "core"], ["raychat.export"], ["raychat.corpus", "download-eval-bundle"],
+    ["raychat.tokenizer"], ["raychat.report"], ["raychat.status"], ["tune.sweep"], ["tune.report"],
 ]
 
 

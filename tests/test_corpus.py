@@ -77,7 +77,7 @@ def test_layout_and_units_worked_out_by_hand(synthetic_dir):
     assert [(u.index, u.shard, u.row_group, u.num_rows) for u in index.val] == [(0, 2, 0, 1000)]
     assert index.num_train_docs == 2500 and index.num_val_docs == 1000
     assert all(Path(u.path).is_absolute() for u in index.train + index.val)
-    assert index.data_dir == synthetic_dir.resolve()
+    assert index.data_dir == str(synthetic_dir.resolve())
     for _, path in list_shards(synthetic_dir):
         assert pq.ParquetFile(path).schema_arrow.field("text").type == pa.string()
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trace_audit import expand
 
 from raychat.data.cursor import (
     DocFeed,
@@ -18,7 +19,6 @@ from raychat.data.cursor import (
     RankSequence,
     compress,
     count,
-    expand,
     merge_cursor,
     rank_cursor,
     split_runs,

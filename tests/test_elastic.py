@@ -16,11 +16,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port, stop_processes_under
+from conftest import free_port
 from ray.job_submission import JobStatus, JobSubmissionClient
 from test_train import VAL_LINE, log_lines, tiny_flags
 from trace_audit import assert_epoch1_exactly_once, attempts_by_step, read_trace, world_sizes_by_attempt
 
+from bench.multinode import node_of_pid, stop_processes_under
 from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
 from raychat.storage import Storage
 
@@ -155,12 +156,12 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, ray_session, tiny_corpus, 
     # Exactly once: the final timeline trained every epoch-1 document once (or holds it in flight).
     run = Storage(storage).child("elastic")
     final = read_meta(latest_valid_checkpoint(run))
-    assert final["step"] == STEPS and final["world_size"] == 3
+    assert final.step == STEPS and final.world_size == 3
     assert sorted(read_trace(trace)) == list(range(STEPS))
-    assert_epoch1_exactly_once(trace, data_dir, final["cursor"])
+    assert_epoch1_exactly_once(trace, data_dir, final.cursor)
     # Only the failure redid steps: each step trained by more than one attempt lies before the grow.
     redone = sorted(s for s, attempts in attempts_by_step(trace).items() if len(attempts) > 1)
-    assert len(redone) == final["loop_state"]["redone_steps"]
+    assert len(redone) == final.loop_state["redone_steps"]
     grow_attempt = max((a for attempts in attempts_by_step(trace).values() for a in attempts), key=float)
     grow_steps = [s for s, attempts in attempts_by_step(trace).items() if grow_attempt in attempts]
     assert not set(grow_steps) & set(redone), "the grow redid steps"
@@ -183,17 +184,6 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, ray_session, tiny_corpus, 
                      if int(m.group(1)) == STEPS]
     assert final_bpb and reference_bpb
     assert abs(final_bpb[-1] - reference_bpb[-1]) < BPB_TOLERANCE, (final_bpb, reference_bpb)
-
-
-def node_of_pid(nodes: list, pid: int):
-    """The Cluster node whose raylet started process `pid` (each node is its own raylet here)."""
-    import psutil
-
-    raylets = {n.all_processes["raylet"][0].process.pid: n for n in nodes}
-    for parent in psutil.Process(pid).parents():
-        if parent.pid in raylets:
-            return raylets[parent.pid]
-    raise AssertionError(f"process {pid} is under no node's raylet")
 
 
 def test_spot_notice_saves_before_the_node_goes(cluster, tiny_corpus, tmp_path):
@@ -248,5 +238,5 @@ def test_spot_notice_saves_before_the_node_goes(cluster, tiny_corpus, tmp_path):
     second = max((a for attempts in attempts_by_step(trace).values() for a in attempts), key=float)
     assert min(s for s, attempts in attempts_by_step(trace).items() if second in attempts) == saved
     final = read_meta(latest_valid_checkpoint(Storage(storage).child("spot")))
-    assert final["step"] == steps
-    assert_epoch1_exactly_once(trace, data_dir, final["cursor"])
+    assert final.step == steps
+    assert_epoch1_exactly_once(trace, data_dir, final.cursor)

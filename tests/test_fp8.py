@@ -8,7 +8,9 @@ import pytest
 import torch
 from tiny_training import adamw_losses
 
-from raychat.checkpoint.format import load_checkpoint, save_checkpoint
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.reader import load_checkpoint
+from raychat.checkpoint.sharded import save_checkpoint
 from raychat.model.gpt import GPTConfig, build_model
 from raychat.model.precision import Precision
 
@@ -75,9 +77,12 @@ def test_training_mode_rounds_to_fp8_and_eval_mode_does_not():
     assert (trained - plain(x)).abs().amax() > 1e-4
 
 
+META = CheckpointMeta(step=1, model_config={}).to_json()
+
+
 def test_checkpoints_load_with_and_without_fp8(tmp_path):
     fp8 = fp8_model(seed=1)
-    save_checkpoint(tmp_path / "from_fp8", fp8.state_dict(), {}, {"step": 1})
+    save_checkpoint(tmp_path / "from_fp8", fp8.state_dict(), None, META)
     plain = build_model(CONFIG, "cpu")
     plain.load_state_dict(load_checkpoint(tmp_path / "from_fp8", load_optimizer=False)[0], strict=True)
     for name, tensor in fp8.state_dict().items():
@@ -85,7 +90,7 @@ def test_checkpoints_load_with_and_without_fp8(tmp_path):
 
     torch.manual_seed(2)
     source = build_model(CONFIG, "cpu")
-    save_checkpoint(tmp_path / "from_plain", source.state_dict(), {}, {"step": 1})
+    save_checkpoint(tmp_path / "from_plain", source.state_dict(), None, META)
     target = fp8_model(seed=3)
     target.load_state_dict(load_checkpoint(tmp_path / "from_plain", load_optimizer=False)[0], strict=True)
     assert torch.equal(target.transformer.h[0].mlp.c_fc.weight, source.transformer.h[0].mlp.c_fc.weight)

@@ -14,7 +14,7 @@ from ray._private.worker import print_to_stdstream
 from test_train import STEP_LINE, VAL_LINE, run_train, submit_job, tiny_flags
 
 from raychat.run.console import MARK, log_line, print_batch
-from raychat.run.runtime_env import worker_runtime_env
+from raychat.run.runtime_env import QUIET_HOOK, worker_runtime_env
 
 RUN = ["--num-workers", "1", "--total-batch-size", "256", "--num-iterations", "6", "--eval-every", "3"]
 ESCAPE = "\x1b["
@@ -33,7 +33,7 @@ def test_runtime_env_keeps_settings_and_drops_secrets():
     }
     assert worker_runtime_env(environ) == {"env_vars": {
         "WANDB_PROJECT": "p", "WANDB_ENTITY": "e", "WANDB_MODE": "offline", "WANDB_DIR": "/w",
-        "RAYCHAT_HOME": "/h", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
+        "RAYCHAT_HOME": "/h", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}, "worker_process_setup_hook": QUIET_HOOK}
 
 
 def test_runtime_env_leaves_a_jobs_own_variables_to_the_job():
@@ -43,7 +43,8 @@ def test_runtime_env_leaves_a_jobs_own_variables_to_the_job():
     environ = {"RAYCHAT_TRACE_DIR": "/t", "RAYCHAT_HOME": "/h", "RAYCHAT_OFFLINE": "1",
                "RAY_JOB_CONFIG_JSON_ENV_VAR": job}
     assert worker_runtime_env(environ) == {"env_vars": {"RAYCHAT_OFFLINE": "1",
-                                                        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
+                                                        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
+                                           "worker_process_setup_hook": QUIET_HOOK}
 
 
 def test_marked_lines_bare_others_keep_rays_prefix(capsys, monkeypatch):

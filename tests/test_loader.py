@@ -1,4 +1,4 @@
-"""TrainLoader and val_loader on real Ray Data, real parquet shards and a real trained tokenizer.
+"""TrainLoader and the validation rows on real Ray Data, real parquet shards and a real trained tokenizer.
 
 Expected rows are computed in this process without Ray: read the same row groups with pyarrow,
 encode with the same tokenizer, pack with the packer. Two loaders in one process act as ranks 0
@@ -12,13 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from trace_audit import expand
 
 from raychat.common import RaychatError
 from raychat.corpus.fixture import write_synthetic_corpus
 from raychat.corpus.index import CorpusIndex, read_unit_texts
-from raychat.data.cursor import UnitSchedule, expand
-from raychat.data.loader import TrainLoader, merge_cursor, val_loader
+from raychat.data.cursor import UnitSchedule
+from raychat.data.loader import TrainLoader, merge_cursor
 from raychat.data.packer import BestFitPacker
+from raychat.data.validation import pack_validation_rows
 from raychat.tokenizer.core import Tokenizer
 from raychat.tokenizer.train import train_tokenizer
 
@@ -150,21 +152,14 @@ def test_cursor_from_another_corpus_is_refused(corpus):
         TrainLoader(index, tokenizer_dir, T, 0, 1, cursor=merge_cursor([state]))
 
 
-def test_val_batches_are_deterministic_and_split_across_ranks(corpus, ray_session):
+def test_validation_rows_are_the_val_split_packed_in_order_pass_after_pass(corpus):
     index, tokenizer_dir = corpus
     tokenizer = Tokenizer.load(tokenizer_dir)
-    val = index.val[0]
-    for rank in range(2):
-        batches = val_loader(index, tokenizer_dir, T, 4, rank, 2, BUFFER)
-        first = [next(batches)[0] for _ in range(3)]
-        batches.close()
-        again = next(val_loader(index, tokenizer_dir, T, 4, rank, 2, BUFFER))[0]
-        assert torch.equal(first[0], again)
-        # Rank r packs val documents r, r+2, r+4, ... (and cycles through the split).
-        mine = [(val, list(range(rank, val.num_rows, 2)))] * 4
-        expected = direct_rows(tokenizer, mine, 12)
-        got = torch.cat(first).numpy()
-        assert (got == expected[:, :-1]).all()
+    # 120 rows of 65 tokens need more than the 80 val documents: the split is read again (pass 2).
+    got = pack_validation_rows(index, tokenizer_dir, T, 120, BUFFER)
+    expected = direct_rows(tokenizer, [(unit, None) for _ in range(4) for unit in index.val], 120)
+    assert got.dtype == np.int64 and (got == expected).all()
+    assert (pack_validation_rows(index, tokenizer_dir, T, 7, BUFFER) == expected[:7]).all()
 
 
 @pytest.mark.parametrize("victim", [0, 6], ids=["first-read-in-process", "later-read-in-ray-data"])

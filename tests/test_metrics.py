@@ -9,38 +9,49 @@ import pytest
 from raychat.common import RaychatError
 from raychat.run.metrics import (
     GAUGES,
+    Publisher,
     RayMetrics,
+    StepMetrics,
     WandbLogger,
     counts_toward_total_time,
     eta_seconds,
-    format_step_line,
     format_val_line,
     smooth_loss,
 )
+from raychat.run.metrics_log import MetricsLog, read_timeline
+from raychat.storage import Storage
 
 # Seed 000: a nanochat d20 run on one MI300X, total batch 2**19 tokens.
 SEED_LINE = ("step 00383/29000 (1.32%) | loss: 3.369286 | lrm: 1.00 | dt: 4052.93ms | tok/sec: 129,360 "
              "| bf16_mfu: 62.46 | epoch: 1 pq: 0 rg: 279 | total time: 25.43m | eta: 1951.2m")
 
 
+def record(step: int = 383, num_iterations: int = 29000, loss: float = 3.369286, lrm: float = 1.0,
+           dt: float = 4.05293, tokens_per_sec: float = 129360, mfu: float | None = 62.46,
+           cursor: tuple[int, int, int] = (1, 0, 279), total_time_s: float = 25.43 * 60,
+           eta_s: float | None = 1951.2 * 60) -> StepMetrics:
+    epoch, pq, rg = cursor
+    return StepMetrics(step=step, num_iterations=num_iterations, loss=loss, raw_loss=loss + 0.1, lrm=lrm,
+                       dt=dt, tokens_per_sec=tokens_per_sec, mfu=mfu, epoch=epoch, pq=pq, rg=rg,
+                       total_time_s=total_time_s, eta_s=eta_s, data_wait_s=0.01, world_size=8,
+                       tokens_so_far=(step + 1) * 2**19, flops_so_far=(step + 1) * 2**19 * 6e8)
+
+
 def test_step_line_reproduces_the_seed_line():
-    line = format_step_line(step=383, num_iterations=29000, loss=3.369286, lrm=1.0, dt=4.05293,
-                            tok_per_sec=129360, mfu=62.46, epoch=1, pq=0, rg=279,
-                            total_time_s=25.43 * 60, eta_s=1951.2 * 60)
-    assert line == SEED_LINE
+    assert record().line() == SEED_LINE
 
 
 def test_seed_line_follows_from_the_loop_arithmetic():
     """The seed's numbers are consistent with nanochat's rules, and so are ours: tok/sec is
     int(2**19 / dt); the eta is (29000 - 383) steps at the mean of the 373 timed steps."""
     total_time_s = 1525.95  # 25.4325 min: prints as 25.43, like the seed
-    line = format_step_line(383, 29000, 3.369286, 1.0, 4.05293, 2**19 / 4.05293, 62.46, 1, 0, 279,
-                            total_time_s, eta_seconds(383, 29000, total_time_s))
+    line = record(tokens_per_sec=2**19 / 4.05293, total_time_s=total_time_s,
+                  eta_s=eta_seconds(383, 29000, total_time_s)).line()
     assert line == SEED_LINE
 
 
 def test_cpu_line_marks_mfu_na_and_has_no_eta_before_timed_steps():
-    line = format_step_line(3, 40, 6.25, 0.1, 0.5, 8192, None, 0, 2, 7, 0.0, eta_seconds(3, 40, 0.0))
+    line = record(3, 40, 6.25, 0.1, 0.5, 8192, None, (0, 2, 7), 0.0, eta_seconds(3, 40, 0.0)).line()
     assert line == ("step 00003/00040 (7.50%) | loss: 6.250000 | lrm: 0.10 | dt: 500.00ms | tok/sec: 8,192 "
                     "| bf16_mfu: n/a | epoch: 0 pq: 2 rg: 7 | total time: 0.00m")
 
@@ -60,6 +71,39 @@ def test_loop_arithmetic_by_hand():
 def test_val_line():
     assert format_val_line(250, 1.2345671) == "Step 00250 | Validation bpb: 1.234567"
     assert format_val_line(0, 3.0) == "Step 00000 | Validation bpb: 3.000000"
+
+
+def test_one_record_reaches_the_line_wandb_and_the_metrics_log(wandb_env, monkeypatch, tmp_path):
+    """Publisher.step writes the same StepMetrics to every sink: nanochat's line, wandb (every 100
+    steps, as nanochat) and the run's metrics log, whose records carry every field."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    lines: list[str] = []
+    run = Storage(str(tmp_path / "runs" / "r"))
+    wandb_run = WandbLogger("fanout")
+    publisher = Publisher(lines.append, wandb=wandb_run, metrics_log=MetricsLog(run))
+    steps = [record(step=s, num_iterations=200, loss=5.0 - s / 100, mfu=None, eta_s=None)
+             for s in (99, 100, 101)]
+    for m in steps:
+        publisher.step(m)
+    publisher.eval(102, 1.75, 12.5)
+    publisher.samples(102, ["The capital of France is Paris"])
+    publisher.flush()
+    wandb_run.finish()
+    wandb.teardown()
+
+    assert lines == [m.line() for m in steps] + ["Step 00102 | Validation bpb: 1.750000",
+                                                 "The capital of France is Paris"]
+    (run_dir,) = (wandb_env / "wandb").glob("offline-run-*")
+    _, rows = _offline_history(run_dir)
+    assert [(r["_step"], r.get("train/loss")) for r in rows if "train/loss" in r] == [("100", "4")]
+    timeline = read_timeline(run)
+    assert [r["step"] for r in timeline.steps] == [99, 100, 101]
+    assert timeline.steps[1] == {"kind": "step", "time": timeline.steps[1]["time"], **vars(steps[1])}
+    assert timeline.steps[1]["tokens_so_far"] == 101 * 2**19
+    assert [(e["step"], e["val_bpb"]) for e in timeline.evals] == [(102, 1.75)]
+    assert timeline.samples[0]["samples"] == ["The capital of France is Paris"]
 
 
 # The gauges of a real run reaching each node's Prometheus endpoint, through a resize, are checked in

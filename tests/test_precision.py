@@ -21,11 +21,27 @@ def test_cpu_flag_is_read_from_cpuinfo():
     assert precision.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
-def test_auto_is_fp32_on_every_cpu(monkeypatch):
-    for native in (False, True):
-        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
-        assert resolve_precision("auto", False, "tensorwise", CPU) == Precision(torch.float32, None, False)
+# Flags of two real CPUs: a Xeon with avx512_bf16 (this kind of machine, some hosts) and one without.
+WITH_BF16 = {"fpu", "sse4_2", "avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
+WITHOUT_BF16 = {"fpu", "sse4_2", "avx2", "avx512f", "avx512bw", "avx512_vnni"}
+
+
+def test_auto_picks_bf16_only_on_cpus_with_native_bf16(monkeypatch):
+    dtype, why = precision.cpu_auto_dtype(WITH_BF16)
+    assert dtype == torch.bfloat16 and "avx512_bf16" in why
+    assert precision.cpu_auto_dtype(WITHOUT_BF16 | {"amx_bf16", "amx_tile"})[0] == torch.bfloat16
+    dtype, why = precision.cpu_auto_dtype(WITHOUT_BF16)
+    assert dtype == torch.float32 and "no native bf16" in why
+    assert precision.cpu_auto_dtype(set())[0] == torch.float32  # no /proc/cpuinfo: the safe choice
+    for flags, expected in ((WITH_BF16, torch.bfloat16), (WITHOUT_BF16, torch.float32)):
+        monkeypatch.setattr(precision, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert resolve_precision("auto", False, "tensorwise", CPU) == Precision(expected, None, False)
         assert resolve_precision("fp32", False, "tensorwise", CPU).dtype == torch.float32
+        # The plan says which, and why.
+        line = describe_precision("auto", False, "tensorwise", 0)
+        assert line.startswith(f"{'bf16' if expected == torch.bfloat16 else 'fp32'} on CPU (auto: ")
+        assert ("has native bf16 (avx512_bf16)" in line) == (expected == torch.bfloat16)
+        assert ("has no native bf16" in line) == (expected == torch.float32)
 
 
 def test_bf16_on_cpu_needs_native_bf16(monkeypatch):
@@ -50,8 +66,9 @@ def test_fp8_on_cpu_only_emulated(monkeypatch):
 
 def test_plan_line_says_what_runs_and_never_raises(monkeypatch):
     monkeypatch.delenv("RAYCHAT_FP8_EMULATE", raising=False)
+    dtype, why = precision.run_auto_dtype(CPU)
     assert describe_precision("auto", False, "tensorwise", 0) == \
-        "fp32 on CPU (auto: bf16 on CUDA SM80+, fp32 on CPU)"
+        f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} on CPU (auto: {why})"
     refused = describe_precision("auto", True, "tensorwise", 0)
     assert refused.startswith("refused on this machine (CPU): --fp8")
 

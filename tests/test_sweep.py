@@ -210,7 +210,7 @@ def test_every_trial_reports_val_bpb(interrupted_sweep):
         expected_steps = sorted({*range(0, plan["num_iterations"], 5), plan["num_iterations"]})
         assert [r["step"] for r in evals] == expected_steps, t.name
         assert all(0 < r["val_bpb"] < 20 and math.isfinite(r["val_bpb"]) for r in evals)
-        assert t.last("total_tokens") == plan["total_tokens"]
+        assert t.last("tokens_so_far") == plan["total_tokens"]
         assert t.last("flops_so_far") == plan["total_flops"]
         # ASHA compares trials at equal FLOPs: every report says the FLOPs spent by its step
         flops_per_step = plan["total_flops"] / plan["num_iterations"]
@@ -228,6 +228,11 @@ def test_sweep_writes_table_and_plots_into_the_bucket(interrupted_sweep):
     assert {r["status"] for r in rows} == {"finished"}
     assert all(float(r["val_bpb"]) > 0 for r in rows)
     assert report.info("val_bpb_vs_flops.png").size > 10_000
+    # each trial's own run report (raychat.report), linked from the table, beside the sweep's
+    assert [r["report"] for r in rows] == [f"trials/{r['trial']}/report.md" for r in rows]
+    for r in rows:
+        trial_report = report.child("trials", r["trial"])
+        assert "## Validation bpb" in trial_report.read_text("report.md") and trial_report.exists("loss.png")
     assert "d3_r0.008" in interrupted_sweep["second"].stdout  # the table is printed too
     # tune.report --storage-path URI reads the sweep from the bucket and writes there again
     again = interrupted_sweep["report"]

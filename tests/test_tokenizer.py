@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from raychat.common import RaychatError
 from raychat.corpus.index import iter_split_texts
 from raychat.corpus.writer import CorpusWriter
-from raychat.tokenizer.core import SPECIAL_TOKENS, Tokenizer, check_vocab
+from raychat.tokenizer.core import HF_FILE, SPECIAL_TOKENS, Tokenizer, check_vocab
 from raychat.tokenizer.evaluate import evaluate_tokenizer
-from raychat.tokenizer.train import MIN_VOCAB_SIZE, load_hf_tokenizer, train_tokenizer
+from raychat.tokenizer.train import MIN_VOCAB_SIZE, train_tokenizer
 
 VOCAB = 1024
 SEEDS_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"
@@ -74,6 +74,13 @@ def tok_dir(corpus, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tok(tok_dir) -> Tokenizer:
     return Tokenizer.load(tok_dir)
+
+
+def load_hf_tokenizer(tok_dir):
+    """The HF `tokenizers.Tokenizer` file train_tokenizer saves beside tiktoken's (for chat rendering)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    return HFTokenizer.from_file(str(Path(tok_dir) / HF_FILE))
 
 
 @pytest.fixture(scope="module")

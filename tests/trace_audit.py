@@ -4,6 +4,8 @@ timeline trained, and whether epoch 1 is fully accounted for against the final d
 import json
 from pathlib import Path
 
+from bench.chaos_audit import expand, owed_documents  # noqa: F401 (expand: for the tests)
+
 
 def read_trace(trace_dir: Path) -> dict[int, list[tuple[int, int, int]]]:
     """step -> doc ids trained at that step (all ranks), keeping for each step the latest attempt
@@ -42,17 +44,12 @@ def assert_epoch1_exactly_once(trace_dir: Path, data_dir: Path, cursor: dict) ->
     final cursor (a long document can wait in the packer's buffer), none lost. Returns how many
     epoch-1 documents were trained."""
     from raychat.corpus.index import CorpusIndex
-    from raychat.data.cursor import UnitSchedule, expand
 
     consumed = [doc for ids in read_trace(trace_dir).values() for doc in ids]
     assert len(consumed) == len(set(consumed)), "a document was trained on twice"
     index = CorpusIndex.load(data_dir)
     assert cursor["frontier"] >= len(index.train), "the run should pass the end of epoch 1"
-    unit_at = UnitSchedule(index, None)
-    owed = set(expand(cursor["in_flight"]))
-    for position in cursor["unstarted"]:
-        epoch, unit, num_rows = unit_at(position)
-        owed |= {(epoch, unit, row) for row in range(num_rows)}
+    owed = owed_documents(index, cursor)
     epoch1 = {(1, unit.index, row) for unit in index.train for row in range(unit.num_rows)}
     trained1 = {d for d in consumed if d[0] == 1}
     owed1 = {d for d in owed if d[0] == 1}

@@ -122,11 +122,6 @@ class ComputeOptimal:
             return None
         return self.tokens_law.exponent - self.params_law.exponent
 
-    def ratio_at(self, flops: float) -> float | None:
-        if self.params_law is None or self.tokens_law is None:
-            return None
-        return float(self.tokens_law(flops) / self.params_law(flops))
-
 
 def compute_optimal(points: Iterable[tuple[float, float, float, float]]) -> ComputeOptimal:
     """points: (flops budget, params N, tokens D, val bpb), one per finished trial."""

@@ -6,26 +6,18 @@ fitted points (tests/test_tune_report.py). tune.report gathers the numbers and s
 """
 
 import math
-from pathlib import Path
 
 import matplotlib
 import numpy as np
-from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullFormatter
 
+from raychat.report.plots import DPI, major_labels_only, save_figure
 from tune.fit import ComputeOptimal
 
-DPI = 120
+__all__ = ["DPI", "EvalCurve", "bpb_vs_flops_figure", "iso_flop_figure", "save_figure"]
 
 # (depth, [(FLOPs spent so far, val bpb) of each eval, in order]) of one trial
 EvalCurve = tuple[int, list[tuple[float, float]]]
-
-
-def _major_labels_only(ax: Axes) -> None:
-    """Log axes spanning less than a decade label every minor tick, and the labels collide."""
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def bpb_vs_flops_figure(curves: list[EvalCurve]) -> Figure:
@@ -50,7 +42,7 @@ def bpb_vs_flops_figure(curves: list[EvalCurve]) -> Figure:
     ax.set_ylabel("validation bits per byte")
     ax.set_title("val bpb vs compute (lines: evals during training; dots: last eval)")
     ax.grid(True, which="both", alpha=0.3)
-    _major_labels_only(ax)
+    major_labels_only(ax)
     if labelled:
         ax.legend(title="depth")
     fig.tight_layout()
@@ -92,13 +84,9 @@ def iso_flop_figure(points: list[tuple[float, float, float, float]], result: Com
         ax.set_title(f"compute-optimal {'model size' if attr == 'params' else 'training tokens'}")
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
-        _major_labels_only(ax)
+        major_labels_only(ax)
     if result.ratio_at_reference is not None:
         fig.suptitle(f"compute-optimal tokens:params ratio {result.ratio_at_reference:.1f} "
                      f"at C = {result.reference_flops:.2g}")
     fig.tight_layout()
     return fig
-
-
-def save_figure(fig: Figure, path: Path) -> None:
-    fig.savefig(path, dpi=DPI)

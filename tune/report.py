@@ -27,16 +27,19 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raychat.common import RaychatError, default_storage_path, run_cli
+from raychat.report.document import REPORT_FILE, write_run_report
+from raychat.run.metrics_log import METRICS_FILE
 from raychat.storage import Storage, join_uri, normalize_location
 from tune.fit import ComputeOptimal, compute_optimal
 from tune.plots import EvalCurve, bpb_vs_flops_figure, iso_flop_figure, save_figure
 
 SWEEP_SPEC_FILE = "raychat_sweep.json"  # written by tune.sweep before Tune starts
 TRAIN_RUNS_DIR = "runs"  # the trials' raychat runs, inside the experiment directory
+TRIAL_REPORTS_DIR = "trials"  # each trial's run report (raychat.report), inside the report directory
 
 COLUMNS = ["trial", "status", "depth", "width", "target_ratio", "flops_budget", "scaling_params",
            "total_params", "flops_per_token", "tokens", "tokens_per_param", "total_flops", "val_bpb",
-           "wall_time_s"]
+           "wall_time_s", "report"]
 
 
 def resolve_storage(storage_path: str = "") -> str:
@@ -134,7 +137,7 @@ def trial_row(trial: Trial) -> dict[str, Any]:
     """One table row. Model numbers come from the plan the sweep resolved; tokens, FLOPs and val bpb
     from what the trial reported last (a stopped or unfinished trial shows how far it got)."""
     plan = trial.spec.get("plan", {})
-    tokens = trial.last("total_tokens") or 0
+    tokens = trial.last("tokens_so_far") or 0
     flops = trial.last("flops_so_far")
     if flops is None and plan.get("flops_per_token"):
         flops = tokens * plan["flops_per_token"]
@@ -261,20 +264,31 @@ def plot_iso_flop(points: list[tuple[float, float, float, float]], result: Compu
 
 
 def write_report(path: str, out: str | Path, log=print) -> list[dict[str, Any]]:
-    """Table (printed + trials.csv) and plots of the sweep at `path`, written to `out` (a local
-    directory or a URI: the files are made in a temporary directory, then copied there)."""
+    """Table (printed + trials.csv) and plots of the sweep at `path`, and each trial's own run
+    report (raychat.report) under trials/<trial>/, written to `out` (a local directory or a URI:
+    the files are made in a temporary directory, then copied there)."""
+    target = Storage.of(out)
+    runs = Storage(path).child(TRAIN_RUNS_DIR)
+    reports = {}
+    for name in runs.subdirs():
+        if runs.exists(f"{name}/{METRICS_FILE}"):
+            write_run_report(runs.child(name), target.child(TRIAL_REPORTS_DIR, name), log=lambda _: None)
+            reports[name] = f"{TRIAL_REPORTS_DIR}/{name}/{REPORT_FILE}"
     with tempfile.TemporaryDirectory(prefix="raychat-report-") as tmp:
-        rows, written = _write_report_files(path, Path(tmp), log)
-        target = Storage.of(out)
+        rows, written = _write_report_files(path, Path(tmp), log, reports)
         for file in written:
             target.write_bytes(file.name, file.read_bytes())
     log("Wrote " + ", ".join(join_uri(target.location, f.name) for f in written))
+    if reports:
+        where = join_uri(target.location, TRIAL_REPORTS_DIR, "<trial>", REPORT_FILE)
+        log(f"Trial reports ({len(reports)}, the column 'report' of trials.csv): {where}")
     return rows
 
 
-def _write_report_files(path: str, out_dir: Path, log) -> tuple[list[dict[str, Any]], list[Path]]:
+def _write_report_files(path: str, out_dir: Path, log,
+                        reports: dict[str, str]) -> tuple[list[dict[str, Any]], list[Path]]:
     trials = load_sweep(path)
-    rows = [trial_row(t) for t in trials]
+    rows = [{**trial_row(t), "report": reports.get(t.name)} for t in trials]
     log(f"Sweep {path}: {len(rows)} trials")
     log(format_table(rows))
     write_csv(rows, out_dir / "trials.csv")

@@ -4,9 +4,9 @@ Two grids. Depth x tokens:params ratio (`--depths 10,12,14 --ratios 8,12,20`) sh
 each size wants; iso-FLOP (`--depths ... --flops 1e18,3e18`) trains every depth to exactly each
 budget, which is what the compute-optimal fit in `tune.report` needs (Chinchilla's approach 2).
 
-Each trial is a complete raychat run: a Tune function trainable that builds the run's TorchTrainer
-with `raychat.train.build_trainer` and calls fit() (Ray Train V2 inside Tune), so a trial has its own
-worker group, elasticity, failure handling and checkpoints, exactly like `python -m raychat.train`.
+Each trial is a complete raychat run through the same driver as `python -m raychat.train`
+(raychat.run.driver: the same checks, the same TorchTrainer, the same one-line errors; Ray Train V2
+inside Tune), so a trial has its own worker group, elasticity, failure handling and checkpoints.
 Rank 0's reports reach Tune through a TuneReportCallback; the trial driver itself does no work and
 sits on the head node when the cluster offers `raychat_driver` slots (cluster/*.yaml), never on a
 preemptible GPU node.
@@ -22,21 +22,18 @@ import dataclasses
 import json
 import re
 import time
-import uuid
 
 import ray
 import ray.tune as tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
 import raychat
-from raychat.checkpoint.stop_note import clear_stop_note, read_stop_note
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.plan import plan_vocab_size
+from raychat.run.driver import connect_ray, fit_run, prepare_inputs, prepare_run, resolve_paths
 from raychat.scaling import Plan, resolve_plan
 from raychat.storage import Storage, join_uri
-from raychat.tokenizer.core import Tokenizer
-from raychat.train import RunPaths, build_trainer, check_resumable, connect_ray, prepare_inputs
 from tune.report import (
     SWEEP_SPEC_FILE,
     TRAIN_RUNS_DIR,
@@ -160,16 +157,12 @@ def format_trials(trials: list[dict]) -> str:
 def run_trial(config: dict) -> None:
     """The Tune trainable: one raychat run, driven from this trial's actor."""
     spec = config["trial"]
-    cfg = TrainConfig.from_dict(spec["train_config"])
-    paths = RunPaths.resolve(cfg)
-    clear_stop_note(paths.storage_path, cfg.name)
-    # A restored sweep re-runs unfinished trials: each resumes its own run from its checkpoints.
-    resume_from = check_resumable(cfg, paths, Tokenizer.load(paths.tokenizer_dir))
-    build_trainer(cfg, session=uuid.uuid4().hex, resume_from=resume_from,
-                  callbacks=[TuneReportCallback()]).fit()
-    stop = read_stop_note(paths.storage_path, cfg.name)
-    if stop is not None:
-        raise RaychatError(f"trial {spec['name']}: loss became NaN/inf at step {stop['step']}")
+    try:
+        # A restored sweep re-runs unfinished trials: each resumes its own run from its checkpoints.
+        run = prepare_run(TrainConfig.from_dict(spec["train_config"]))
+        fit_run(run, callbacks=[TuneReportCallback()])
+    except RaychatError as e:
+        raise RaychatError(f"trial {spec['name']}: {e}") from None
 
 
 def _trial_dirname(trial) -> str:
@@ -243,18 +236,18 @@ def main(argv: list[str] | None = None) -> int:
         print(format_trials(trials))
         return 0
 
-    paths = RunPaths.resolve(base)
     Storage(runs_path).check_writable()
-    tokenizer = prepare_inputs(base, paths)
-    # Every trial reads the corpus and tokenizer the driver just checked, wherever it runs.
-    base = dataclasses.replace(base, data_dir=paths.data_dir, tokenizer_dir=paths.tokenizer_dir)
+    # Every trial reads the corpus and tokenizer the driver checks here, wherever it runs.
+    storage_path = base.storage_path
+    base = dataclasses.replace(resolve_paths(base), storage_path=storage_path)
+    tokenizer, _ = prepare_inputs(base)
     trials = build_trials(base, depths, ratios, budgets, args.workers_per_trial, runs_path,
                           tokenizer.vocab_size)
     print(f"Sweep {args.name}: {len(trials)} trials in {path}", flush=True)
     print(format_trials(trials), flush=True)
 
     trial_cfg = TrainConfig.from_dict(trials[0]["train_config"])  # what every trial asks of the cluster
-    connect_ray(trial_cfg.worker_range()[1])
+    connect_ray(trial_cfg)
     trainable = tune.with_resources(run_trial, trial_resources())
     sweep_dir = Storage(path)
     if tune.Tuner.can_restore(path):

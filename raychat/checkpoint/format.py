@@ -1,64 +1,62 @@
-"""Checkpoints that are either complete or visibly not, load on any world size, and never run code.
+"""Checkpoint directories: complete or visibly not, found and pruned the same way by everyone.
 
 A checkpoint is a directory `<storage>/<run>/checkpoint_<step:06d>/` on local disk or in a bucket:
 
-    model.pt       flat dict parameter name -> full tensor                (torch.save)
-    optim.pt       the optimizer's canonical state dict (nested dicts/lists/tuples of tensors and
-                   plain numbers/strings/None, full logical tensors keyed by parameter name)
-    meta.json      step, model config, plan, loader cursor, loop state, flags, version  (JSON)
-    manifest.json  size and sha256 of the three files above; written LAST
+    rank_<r>-of-<W>.safetensors   what rank r of the W that saved owns (raychat.checkpoint.sharded)
+    index.json                    every logical tensor: dtype, shape, which file holds which range
+    meta.json                     the typed record (raychat.checkpoint.meta.CheckpointMeta)
+    manifest.json                 size and sha256 of every file above; written LAST, by rank 0
 
 On local disk each file is written under a temporary name, fsynced and renamed; in an object store
 each object appears whole when its upload completes. The manifest comes last either way, so a
-directory whose manifest matches its files' sizes and hashes is a whole checkpoint and anything else
-(a crash mid-write, a truncated copy) is detectably damaged. Because the state is full logical
-tensors (the optimizer gathers its ZeRO shards into its canonical state dict), a checkpoint saved by
-W workers loads on any W'.
+directory whose manifest matches its files is a whole checkpoint and anything else (a crash
+mid-save, a rank that died, a truncated copy) is detectably damaged. Checking a checkpoint before a
+run costs one listing (the manifest's sizes); the hashes are checked by the ranks as they read.
 
-Loading streams each file once, hashing it on the way, and `torch.load(weights_only=True)`s the
-bytes: a checkpoint file can hold tensors and plain data, never a pickled object that runs code.
+Checkpoints of raychat before the sharded format (model.pt + optim.pt) are refused in one line that
+names `python -m raychat.checkpoint.convert`, which rewrites them in place.
 
-"The latest checkpoint" of a run is the one whose manifest was written last (ties: the higher
-step). After `--resume-from-step` rewinds a run, its new checkpoints are the latest even though the
-abandoned branch has higher step numbers.
+"The latest checkpoint" of a run is the one with the highest lineage sequence (meta.json: every
+save numbers its checkpoint one above every checkpoint the run already has). Clocks are not
+trusted: a FUSE mount or Lustre client with a clock behind, or a `cp -r` of the run, reorders
+mtimes, and a save's own prune would then delete what it just wrote. After `--resume-from-step`
+rewinds a run, its new checkpoints are the latest even though the abandoned branch has higher step
+numbers. Write times (whole seconds, then the step) only break ties between checkpoints without a
+sequence, written before raychat kept one.
 """
 
 import hashlib
-import io
 import json
 import os
-import pickle
 import sys
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
-
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.shardfile import CheckpointDamaged
 from raychat.common import RaychatError
 from raychat.storage import Location, Storage
 
-MODEL_FILE = "model.pt"
-OPTIM_FILE = "optim.pt"
 META_FILE = "meta.json"
+INDEX_FILE = "index.json"
 MANIFEST_FILE = "manifest.json"
-FORMAT = "raychat-checkpoint-1"
+FORMAT = "raychat-checkpoint-2"
+LEGACY_FORMAT = "raychat-checkpoint-1"  # model.pt + optim.pt, one process wrote everything
 CHECKPOINT_PREFIX = "checkpoint_"
-
-_LEAF_TYPES = (bool, int, float, str, type(None), torch.Size)
-_CRC32_OPTION_LOCK = threading.Lock()
 _READ_CHUNK = 16 << 20
 
 
-class CheckpointDamaged(RaychatError):
-    """A checkpoint that is incomplete or whose bytes do not match its manifest."""
+class LegacyCheckpoint(RaychatError):
+    """A checkpoint in raychat's old single-file format: not damaged, not readable as is."""
 
 
 def checkpoint_dir_name(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def rank_file(rank: int, world: int) -> str:
+    return f"rank_{rank:05d}-of-{world:05d}.safetensors"
 
 
 # -----------------------------------------------------------------------------
@@ -83,21 +81,7 @@ class _HashingWriter:
         self.file.flush()
 
 
-@contextmanager
-def _without_zip_crc32() -> Iterator[None]:
-    """torch.save's per-record CRC32 costs about as much CPU as our sha256, which already guards
-    every byte. The option is process-wide, so it is switched off only around our own saves (a
-    concurrent foreign torch.save may then skip its CRC too, which torch.load does not mind)."""
-    with _CRC32_OPTION_LOCK:
-        previous = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:
-            yield
-        finally:
-            torch.serialization.set_crc32_options(previous)
-
-
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -105,9 +89,10 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _write_file(directory: Storage, name: str, write: Callable[[Any], None]) -> dict:
+def write_file(directory: Storage, name: str, write: Callable[[Any], None]) -> dict:
     """Write one file and return its manifest entry. Local disk: temporary name, fsync, rename."""
     if directory.is_local:
+        directory.make_dir()
         tmp = Path(directory.path(f"{name}.tmp"))
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)
@@ -122,175 +107,96 @@ def _write_file(directory: Storage, name: str, write: Callable[[Any], None]) -> 
     return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
 
 
-def check_key(key: Any, where: str) -> None:
-    if type(key) not in (str, int):
-        raise TypeError(f"{where}: key {key!r} is a {type(key).__name__}; checkpoint keys are str or int")
-
-
-def check_storable(obj: Any, where: str) -> None:
-    """Refuse, at save time, anything `torch.load(weights_only=True)` would refuse at load time."""
-    if isinstance(obj, torch.Tensor) or type(obj) in _LEAF_TYPES:
-        return
-    if type(obj) in (dict, OrderedDict):
-        for key, value in obj.items():
-            check_key(key, where)
-            check_storable(value, f"{where}[{key!r}]")
-    elif type(obj) in (list, tuple):
-        for i, value in enumerate(obj):
-            check_storable(value, f"{where}[{i}]")
-    else:
-        raise TypeError(f"{where} is a {type(obj).__name__}; a checkpoint holds tensors, dicts, lists, "
-                        "tuples, bool/int/float/str and None")
-
-
-def encode_meta(meta: dict) -> bytes:
-    # allow_nan: nanochat's loop state starts with min_val_bpb = inf, which Python's json round-trips
-    return (json.dumps(meta, indent=2) + "\n").encode()
-
-
-def write_checkpoint(directory: Location, model_state: dict, optim_state: dict, meta_bytes: bytes) -> None:
-    """Write the three files, then the manifest that claims them. Replaces an existing checkpoint:
-    its manifest goes first, so the directory reads as incomplete until the new one is whole."""
-    directory = Storage.of(directory)
-    directory.make_dir()
-    if directory.exists(MANIFEST_FILE):
-        directory.delete(MANIFEST_FILE)
-        if directory.is_local:
-            _fsync_dir(directory.root)
-    with _without_zip_crc32():
-        files = {
-            MODEL_FILE: _write_file(directory, MODEL_FILE, lambda f: torch.save(model_state, f)),
-            OPTIM_FILE: _write_file(directory, OPTIM_FILE, lambda f: torch.save(optim_state, f)),
-        }
-    files[META_FILE] = _write_file(directory, META_FILE, lambda f: f.write(meta_bytes))
+def write_manifest(directory: Storage, world: int, files: dict[str, dict]) -> None:
+    """The last write of a save: from now on the directory is a checkpoint."""
+    manifest = (json.dumps({"format": FORMAT, "world_size": world, "files": files}, indent=2) + "\n").encode()
+    write_file(directory, MANIFEST_FILE, lambda f: f.write(manifest))
     if directory.is_local:
-        _fsync_dir(directory.root)  # the three renames are durable before the manifest claims them
-    manifest = (json.dumps({"format": FORMAT, "files": files}, indent=2) + "\n").encode()
-    _write_file(directory, MANIFEST_FILE, lambda f: f.write(manifest))
-    if directory.is_local:
-        _fsync_dir(directory.root)
-
-
-def save_checkpoint(directory: Location, model_state: dict[str, torch.Tensor], optim_state: dict,
-                    meta: dict) -> None:
-    """Write a checkpoint now (blocking). Tensors may live on any device; they load on any device."""
-    check_storable(model_state, "model state")
-    check_storable(optim_state, "optimizer state")
-    write_checkpoint(directory, model_state, optim_state, encode_meta(meta))
+        fsync_dir(directory.root)
 
 
 # -----------------------------------------------------------------------------
-# Checking and loading
+# Checking
 
 
-def _read_manifest(directory: Storage) -> dict[str, dict]:
-    """The manifest's file table, or CheckpointDamaged saying what is wrong with it."""
+def convert_hint(directory: Storage) -> str:
+    return (f"checkpoint {directory} is in raychat's old format (model.pt + optim.pt); convert it once with "
+            f"`python -m raychat.checkpoint.convert {directory}`, then rerun")
+
+
+def read_manifest(directory: Storage) -> dict[str, dict]:
+    """The manifest's file table, CheckpointDamaged saying what is wrong with it, or LegacyCheckpoint."""
     try:
         manifest = json.loads(directory.read_bytes(MANIFEST_FILE))
     except FileNotFoundError:
         raise CheckpointDamaged(f"no {MANIFEST_FILE} (the save did not finish)") from None
     except (OSError, ValueError) as e:
         raise CheckpointDamaged(f"unreadable {MANIFEST_FILE} ({type(e).__name__})") from None
+    if isinstance(manifest, dict) and manifest.get("format") == LEGACY_FORMAT:
+        raise LegacyCheckpoint(convert_hint(directory))
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointDamaged(f"{MANIFEST_FILE} is not a {FORMAT} manifest")
     files = manifest.get("files")
-    if (not isinstance(files, dict) or set(files) != {MODEL_FILE, OPTIM_FILE, META_FILE}
+    if (not isinstance(files, dict) or not {INDEX_FILE, META_FILE} <= set(files)
             or not all(isinstance(entry, dict) for entry in files.values())):
-        raise CheckpointDamaged(f"{MANIFEST_FILE} does not list {MODEL_FILE}, {OPTIM_FILE} and {META_FILE}")
+        raise CheckpointDamaged(f"{MANIFEST_FILE} does not list {INDEX_FILE} and {META_FILE}")
     return files
 
 
 def _check_sizes(directory: Storage, files: dict[str, dict]) -> None:
+    """One listing: every file the manifest claims is there with its size."""
+    sizes = {info.base_name: info.size for info in directory.entries()}
     for name, entry in files.items():
-        size = directory.info(name).size
-        if size is None:
+        if name not in sizes:
             raise CheckpointDamaged(f"{name} is missing")
-        if size != entry.get("bytes"):
-            raise CheckpointDamaged(f"{name} has {size} bytes, the manifest says {entry.get('bytes')}")
+        if sizes[name] != entry.get("bytes"):
+            raise CheckpointDamaged(f"{name} has {sizes[name]} bytes, the manifest says {entry.get('bytes')}")
 
 
-def _read_verified(directory: Storage, name: str, entry: dict, keep: bool = True) -> bytes:
+def read_verified(directory: Storage, name: str, entry: dict, keep: bool = True) -> bytes:
     """A file's bytes, read once with its sha256 computed on the way; damage raises. keep=False
-    only verifies: nothing is held in memory (the driver's pass over a multi-GB checkpoint)."""
-    digest, buffer, size = hashlib.sha256(), io.BytesIO(), 0
+    only verifies: nothing is held in memory."""
+    digest, chunks, size = hashlib.sha256(), [], 0
     try:
         with directory.open_input(name) as f:
             while chunk := f.read(_READ_CHUNK):
                 digest.update(chunk)
                 size += len(chunk)
                 if keep:
-                    buffer.write(chunk)
+                    chunks.append(chunk)
     except FileNotFoundError:
         raise CheckpointDamaged(f"{name} is missing") from None
     if size != entry.get("bytes"):
         raise CheckpointDamaged(f"{name} has {size} bytes, the manifest says {entry.get('bytes')}")
     if digest.hexdigest() != entry.get("sha256"):
         raise CheckpointDamaged(f"{name} does not match its sha256 in the manifest")
-    return buffer.getvalue()
+    return b"".join(chunks)
 
 
-def damage(directory: Location, deep: bool = True) -> str | None:
+def damage(directory: Location, deep: bool = False) -> str | None:
     """Why this directory is not a complete checkpoint (a short phrase), or None when it is.
 
-    deep=False checks the manifest and the files' sizes only (a listing, no data read); deep=True
-    also hashes every byte.
+    deep=False checks the manifest and the files' sizes (one listing and a kilobyte read: what the
+    driver does before a run); deep=True also hashes every byte (a tool's full check).
     """
     directory = Storage.of(directory)
     try:
         if not directory.is_dir():
             return "no such directory"
-        files = _read_manifest(directory)
+        files = read_manifest(directory)
         _check_sizes(directory, files)
         if deep:
             for name, entry in files.items():
-                _read_verified(directory, name, entry, keep=False)
+                read_verified(directory, name, entry, keep=False)
     except CheckpointDamaged as e:
         return str(e)
     return None
 
 
-def is_complete(directory: Location) -> bool:
-    """True when the manifest is present and every file matches its size and sha256."""
-    return damage(directory) is None
-
-
-def _load_tensors(directory: Storage, name: str, entry: dict, device: torch.device | str) -> Any:
-    data = _read_verified(directory, name, entry)
-    try:
-        return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
-    except torch.OutOfMemoryError:
-        raise  # not damage: the checkpoint is fine, the device is full
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
-        # what torch.load raises for a forbidden global, a broken zip record or a short stream
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise CheckpointDamaged(f"checkpoint file {directory.path(name)} cannot be loaded as tensors and "
-                                f"plain data (torch.load weights_only): {reason}") from e
-
-
-def load_checkpoint(directory: Location, device: torch.device | str = "cpu",
-                    load_optimizer: bool = True) -> tuple[dict, dict, dict]:
-    """(model_state, optim_state, meta) of a complete checkpoint, tensors on `device`.
-
-    Each file is read once and checked against the manifest as it streams; a damaged checkpoint
-    raises CheckpointDamaged (a RaychatError) naming the directory. With load_optimizer=False
-    (inference) the optimizer file, twice the model's size, is not read and optim_state is empty.
-    """
+def read_meta(directory: Location) -> CheckpointMeta:
+    """A checkpoint's meta.json, read without verifying the tensors."""
     directory = Storage.of(directory)
-    try:
-        files = _read_manifest(directory)
-        model_state = _load_tensors(directory, MODEL_FILE, files[MODEL_FILE], device)
-        optim_state = (_load_tensors(directory, OPTIM_FILE, files[OPTIM_FILE], device)
-                       if load_optimizer else {})
-        meta = json.loads(_read_verified(directory, META_FILE, files[META_FILE]))
-    except CheckpointDamaged as e:
-        raise CheckpointDamaged(f"checkpoint {directory} is damaged or incomplete: {e}; "
-                                "resume from an earlier checkpoint of the run") from None
-    return model_state, optim_state, meta
-
-
-def read_meta(directory: Location) -> dict:
-    """A checkpoint's meta.json (step, cursor, configs), read without verifying the tensors."""
-    return json.loads(Storage.of(directory).read_bytes(META_FILE))
+    return CheckpointMeta.from_json(directory.read_bytes(META_FILE), where=directory.path(META_FILE))
 
 
 def _warn(message: str) -> None:
@@ -311,19 +217,29 @@ def _written_at(directory: Storage) -> int:
     return int(max(times).timestamp()) if times else 0
 
 
+def lineage_sequence(directory: Storage) -> int:
+    """The checkpoint's sequence number (0: none recorded, or no readable meta.json yet)."""
+    try:
+        data = directory.read_bytes(META_FILE)
+        return CheckpointMeta.from_json(data, where=directory.path(META_FILE)).sequence
+    except (OSError, RaychatError, ValueError):
+        return 0
+
+
 def list_checkpoints(run_dir: Location) -> list[Storage]:
-    """Checkpoint directories of a run, oldest first: by when they were written, then by step."""
+    """Checkpoint directories of a run, oldest first: by lineage sequence, then (for checkpoints
+    without one) by when they were written, then by step."""
     run = Storage.of(run_dir)
     keyed = []
     for name in run.subdirs():
         step = _step_of(name)
         if step is not None:
             directory = run.child(name)
-            keyed.append(((_written_at(directory), step), directory))
+            keyed.append(((lineage_sequence(directory), _written_at(directory), step), directory))
     return [directory for _, directory in sorted(keyed, key=lambda item: item[0])]
 
 
-def latest_valid_checkpoint(run_dir: Location, step: int | None = None, deep: bool = True,
+def latest_valid_checkpoint(run_dir: Location, step: int | None = None, deep: bool = False,
                             log: Callable[[str], None] = _warn) -> Storage | None:
     """Newest complete checkpoint of a run (`<storage_path>/<run_name>`), or None.
 
@@ -340,8 +256,10 @@ def latest_valid_checkpoint(run_dir: Location, step: int | None = None, deep: bo
     return None
 
 
-def prune_checkpoints(run_dir: Location, keep: int, log: Callable[[str], None] = _warn) -> list[str]:
-    """Delete all but the `keep` newest complete checkpoints (and anything older than those).
+def prune_checkpoints(run_dir: Location, keep: int, log: Callable[[str], None] = _warn,
+                      protect: Collection[str] = ()) -> list[str]:
+    """Delete all but the `keep` newest complete checkpoints (and anything older than those), never
+    the ones named in `protect` (the saver's: what it just wrote, what the run resumed from).
     Returns the names deleted. keep <= 0 keeps everything."""
     if keep <= 0:
         return []
@@ -352,6 +270,8 @@ def prune_checkpoints(run_dir: Location, keep: int, log: Callable[[str], None] =
     oldest_kept = complete[-keep]
     deleted = []
     for candidate in checkpoints[:checkpoints.index(oldest_kept)]:
+        if candidate.name in protect:
+            continue
         try:
             candidate.delete()
             deleted.append(candidate.name)

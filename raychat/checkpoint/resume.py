@@ -4,29 +4,26 @@ The driver picks the checkpoint a new run starts from (the newest whole one, or 
 verifies its hashes once and passes its name to the workers. Within that driver's run, Ray may
 restart the worker group (a lost worker, a resize); then the workers resume from the newest
 checkpoint that this run itself wrote, which the driver could not know about. Rank 0 decides and
-every rank follows, so all ranks load the same checkpoint; each rank streams the files once and
-checks their hashes on the way, and if any rank finds damage, all fall back to an earlier one.
+every rank follows, so all ranks load the same checkpoint; each rank reads only the byte ranges it
+needs and checks their hashes on the way, and if any rank finds damage, all fall back to an earlier
+one together. The driver's check is the manifest and the files' sizes (a listing), not a read.
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-import torch
-
-from raychat.checkpoint.format import (
-    CheckpointDamaged,
-    damage,
-    latest_valid_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    read_meta,
-)
+from raychat.checkpoint.format import damage, latest_valid_checkpoint, list_checkpoints, read_meta
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.reader import CheckpointReader
+from raychat.checkpoint.shardfile import CheckpointDamaged
 from raychat.common import RaychatError
 from raychat.storage import Storage
 
+T = TypeVar("T")
+
 
 def driver_choice(run: Storage, resume_from_step: int, log: Callable[[str], None]) -> Storage | None:
-    """The checkpoint a new run starts from, fully verified (hashes), or None for a fresh run."""
+    """The checkpoint a new run starts from (manifest and sizes checked), or None for a fresh run."""
     if resume_from_step >= 0:
         found = latest_valid_checkpoint(run, step=resume_from_step, log=log)
         if found is None:
@@ -43,10 +40,15 @@ def candidates(run: Storage, session: str, first_choice: str | None) -> list[str
     looking_whole = [c for c in list_checkpoints(run) if damage(c, deep=False) is None]
     names = [c.name for c in looking_whole]
     start = None
-    if looking_whole and read_meta(looking_whole[-1]).get("session") == session:
+    if looking_whole and read_meta(looking_whole[-1]).session == session:
         start = len(names) - 1
     elif first_choice in names:
         start = names.index(first_choice)
+    elif first_choice is not None:
+        # Starting fresh here would train from step 0 and let its saves prune the run's real
+        # checkpoints: a second writer (or a hand) removed what the driver verified.
+        raise RaychatError(f"checkpoint {first_choice} of {run}, chosen by the driver, is gone (another "
+                           "driver on this run, or removed by hand): re-run to resume from what is there now")
     if start is None:
         return []
     return names[start::-1]
@@ -62,28 +64,29 @@ class Restore:
         self.names = names
         self.all_gather = all_gather
         self.log = log
-        self.meta: dict | None = read_meta(run.child(names[0])) if names else None
+        self.meta: CheckpointMeta | None = read_meta(run.child(names[0])) if names else None
 
     @property
     def checkpoint(self) -> Storage | None:
         return self.run.child(self.names[0]) if self.names else None
 
-    def load(self, device: torch.device) -> tuple[dict, dict] | None:
-        """(model_state, optim_state) of the first checkpoint every rank loads without damage;
-        None if there is nothing to resume. After a fallback `meta` describes the one loaded."""
+    def load(self, read: Callable[[CheckpointReader], T]) -> T | None:
+        """`read(reader)` of the first checkpoint every rank reads without damage (`read` must be
+        local: no collective, since ranks that found damage stop early); None if there is nothing
+        to resume. After a fallback `meta` describes the one loaded."""
         tried = list(self.names)
         while self.names:
             directory = self.run.child(self.names[0])
             try:
-                model_state, optim_state, meta = load_checkpoint(directory, device=device)
-                problem = None
+                with CheckpointReader(directory) as reader:
+                    share, meta, problem = read(reader), reader.meta, None
             except CheckpointDamaged as e:
-                model_state = optim_state = meta = None
-                problem = str(e)
+                share = meta = None
+                problem = f"checkpoint {directory} is damaged or incomplete: {e}"
             problems = [p for p in self.all_gather(problem) if p is not None]
             if not problems:
                 self.meta = meta
-                return model_state, optim_state
+                return share
             self.log(f"warning: {problems[0]}; using an earlier checkpoint")
             self.names = self.names[1:]
             self.meta = read_meta(self.run.child(self.names[0])) if self.names else None

@@ -3,41 +3,42 @@
 `AsyncCheckpointWriter` is the mechanism: it copies the state into (reused, on CUDA pinned) host
 buffers, which is all the training thread waits for, and writes the files to the run's storage
 (local disk or a bucket) in a background thread. `CheckpointSaver` is the policy the train loop
-talks to: one save in flight at a time, prune old checkpoints once a new one is whole, log how long
-each save stalled training, and the final save is synchronous.
+talks to on every rank: one save in flight at a time, each rank writes the pieces it owns (no
+gather: its host buffers hold its own share only), rank 0 closes the checkpoint once every rank's
+file is whole (raychat.checkpoint.sharded) and prunes old ones, each save's stall is logged, and
+the final save is synchronous.
 
-Checkpoints are written straight into `<storage>/<run>/checkpoint_<step>/` by rank 0 rather than
-handed to Ray Train: then the run's storage is the one source of truth for "the latest checkpoint",
+Checkpoints are written straight into `<storage>/<run>/checkpoint_<step>/` rather than handed to
+Ray Train: then the run's storage is the one source of truth for "the latest checkpoint",
 read the same way by the driver, every worker, `raychat.sample` and the sweeps, and a re-run of the
 same run name (a new Ray controller that never saw the old checkpoints) resumes where it stopped.
 """
 
+import dataclasses
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from raychat.checkpoint.format import (
-    check_key,
-    check_storable,
     checkpoint_dir_name,
-    encode_meta,
+    lineage_sequence,
+    list_checkpoints,
     prune_checkpoints,
-    write_checkpoint,
 )
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.sharded import Piece, finish_checkpoint, prepare_overwrite, write_rank
 from raychat.common import RaychatError
-from raychat.storage import Location, Storage
+from raychat.storage import Storage
 
 
 class AsyncCheckpointWriter:
-    """Save checkpoints in the background: `submit` costs one copy of the state to host memory.
+    """Save in the background: `submit` costs one copy of this rank's pieces to host memory.
 
     submit() first waits for the previous save (one in flight at a time, so its host buffers can
-    be reused), copies every tensor into a host buffer (CUDA: pinned, non_blocking, ordered after
-    the work already queued on the current stream; CPU: a plain copy), then writes the files in a
+    be reused), copies every piece into a host buffer (CUDA: pinned, non_blocking, ordered after
+    the work already queued on the current stream; CPU: a plain copy), then runs the write in a
     thread. done() polls; wait() blocks and raises if the write failed. The host buffers stay
     allocated for the next save until close().
     """
@@ -59,51 +60,30 @@ class AsyncCheckpointWriter:
         buffer.copy_(tensor.detach(), non_blocking=buffer.is_pinned())
         return buffer
 
-    def _snapshot(self, obj: Any, key: tuple, where: str) -> Any:
-        """Deep copy of a state tree: tensors into host buffers, containers rebuilt (the caller
-        keeps mutating its own dicts while we write)."""
-        if isinstance(obj, torch.Tensor):
-            return self._host_copy(obj, key)
-        if type(obj) in (dict, OrderedDict):
-            copy = type(obj)()
-            for k, v in obj.items():
-                check_key(k, where)
-                copy[k] = self._snapshot(v, (*key, k), f"{where}[{k!r}]")
-            return copy
-        if type(obj) in (list, tuple):
-            return type(obj)(self._snapshot(v, (*key, i), f"{where}[{i}]") for i, v in enumerate(obj))
-        check_storable(obj, where)
-        return obj
-
-    def submit(self, directory: Location, model_state: dict[str, torch.Tensor], optim_state: dict,
-               meta: dict, then: Callable[[], None] | None = None) -> None:
-        """Snapshot the state now and write the checkpoint to `directory` in the background;
-        `then` runs in the background after a successful write."""
+    def submit(self, directory: Storage, pieces: list[Piece], write: Callable[[list[Piece]], None]) -> None:
+        """Snapshot `pieces` now and run `write(snapshot)` in the background."""
         self.wait()
         start = time.perf_counter()
-        meta_bytes = encode_meta(meta)  # now, so a later change to the caller's dict is not saved
-        model_copy = self._snapshot(model_state, ("model",), "model state")
-        optim_copy = self._snapshot(optim_state, ("optim",), "optimizer state")
+        snapshot = [piece._replace(tensor=self._host_copy(piece.tensor, (piece.name, piece.start)))
+                    for piece in pieces]
         copies_done = None
         if any(b.is_pinned() for b in self._buffers.values()):
             copies_done = torch.cuda.Event()
             copies_done.record()  # the thread waits for the device-to-host copies queued above
         self.snapshot_seconds = time.perf_counter() - start
-        self._directory = Storage.of(directory)
+        self._directory = directory
         self._error = None
-        args = (self._directory, model_copy, optim_copy, meta_bytes, copies_done, then)
-        self._thread = threading.Thread(target=self._write, name="raychat-checkpoint-writer", args=args)
+        self._thread = threading.Thread(target=self._write, name="raychat-checkpoint-writer",
+                                        args=(snapshot, write, copies_done))
         self._thread.start()
 
-    def _write(self, directory: Storage, model_state: dict, optim_state: dict, meta_bytes: bytes,
-               copies_done: "torch.cuda.Event | None", then: Callable[[], None] | None) -> None:
+    def _write(self, snapshot: list[Piece], write: Callable[[list[Piece]], None],
+               copies_done: "torch.cuda.Event | None") -> None:
         start = time.perf_counter()
         try:
             if copies_done is not None:
                 copies_done.synchronize()
-            write_checkpoint(directory, model_state, optim_state, meta_bytes)
-            if then is not None:
-                then()
+            write(snapshot)
         except BaseException as e:  # handed to the training thread by wait()
             self._error = e
         self.write_seconds = time.perf_counter() - start
@@ -141,42 +121,83 @@ class AsyncCheckpointWriter:
 
 
 class CheckpointSaver:
-    """The train loop's side of checkpointing (rank 0 writes; on other ranks every call is a no-op).
+    """The train loop's side of checkpointing, on every rank.
 
-    save() at a step snapshots and returns; poll() at each later step reports a finished write
-    (logged with its stall and write time) without waiting; finish() waits, for the final save and
-    before stopping early (a NaN), so the last good checkpoint is always whole when the loop ends.
+    save() at a step snapshots this rank's pieces and returns; poll() at each later step reports a
+    finished write (rank 0: the whole checkpoint, logged with its stall and write time) without
+    waiting; finish() waits, for the final save and before stopping early (a NaN), so the last good
+    checkpoint is whole when the loop ends. Rank 0 keeps the lineage: each checkpoint's meta names
+    the one before it (`parent`) and counts (`sequence`).
     """
 
-    def __init__(self, run: Storage, keep: int, enabled: bool, log: Callable[[str], None]):
-        self.run = run
-        self.keep = keep
-        self.log = log
-        self.writer = AsyncCheckpointWriter() if enabled else None
+    def __init__(self, run: Storage, keep: int, rank: int, world_size: int, log: Callable[[str], None],
+                 parent: CheckpointMeta | None = None, parent_name: str | None = None):
+        self.run, self.keep, self.rank, self.world_size, self.log = run, keep, rank, world_size, log
+        self.writer = AsyncCheckpointWriter()
         self._pending_step: int | None = None
-        self.latest_step: int | None = None  # the newest checkpoint known to be whole in storage
+        self.latest_step: int | None = None  # the newest checkpoint known to be whole (this rank's part)
+        self.parent_name = parent_name
+        self.resumed_from = parent_name  # never pruned by this saver
+        self.submitted_step: int | None = None  # the step of the last save() (one checkpoint per step)
+        self.sequence = max(parent.sequence if parent is not None else 0, self._run_sequence())
 
-    def save(self, step: int, model_state: dict, optim_state: dict, meta: dict, wait: bool = False) -> None:
-        if self.writer is None:
-            return
+    def _run_sequence(self) -> int:
+        """Rank 0: the highest sequence among the run's checkpoints, so this saver numbers its own
+        above them all and "latest" follows the lineage, not clocks. A run directory that cannot be
+        listed counts as empty here; its first write fails with a clear error."""
+        if self.rank != 0:
+            return 0
+        try:
+            return max((lineage_sequence(c) for c in list_checkpoints(self.run)), default=0)
+        except OSError:
+            return 0
+
+    def prepare(self, step: int) -> None:
+        """Rank 0, before the save's collective: a directory saved before at this step (a rerun)
+        reads as incomplete before any rank writes into it again."""
+        if self.rank == 0:
+            self.poll(block=True)
+            prepare_overwrite(self.run.child(checkpoint_dir_name(step)))
+
+    def save(self, step: int, pieces: list[Piece], token: str, meta: CheckpointMeta | None = None,
+             extra: dict | None = None, wait: bool = False) -> None:
+        """Write this rank's `pieces`; rank 0 also `meta` and `extra` (the optimizer's plain data).
+        `token` is the same on every rank for one save (from the save's collective)."""
         self.poll(block=True)  # one save in flight: the previous one must be whole first
-        self.writer.submit(self.run.child(checkpoint_dir_name(step)), model_state, optim_state, meta,
-                           then=lambda: prune_checkpoints(self.run, self.keep, log=self.log))
-        self._pending_step = step
+        directory = self.run.child(checkpoint_dir_name(step))
+        rank, world = self.rank, self.world_size
+        if rank == 0:
+            self.sequence += 1
+            meta = dataclasses.replace(meta, sequence=self.sequence, parent=self.parent_name)
+            self.parent_name = directory.name
+            meta_bytes = meta.to_json()  # now: a later change to the caller's objects is not saved
+
+            def write(snapshot: list[Piece]) -> None:
+                write_rank(directory, rank, world, token, snapshot, extra)
+                finish_checkpoint(directory, world, token, meta_bytes)
+                protect = {directory.name, self.resumed_from}
+                prune_checkpoints(self.run, self.keep, log=self.log, protect=protect)
+        else:
+            def write(snapshot: list[Piece]) -> None:
+                write_rank(directory, rank, world, token, snapshot)
+        self.writer.submit(directory, pieces, write)
+        self._pending_step = self.submitted_step = step
         if wait:
             self.poll(block=True)
 
     def poll(self, block: bool = False) -> int | None:
         """The step of a save that finished since the last call, or None."""
-        if self.writer is None or self._pending_step is None:
+        if self._pending_step is None:
             return None
         if not block and not self.writer.done():
             return None
         directory = self.writer.wait()
         step, self._pending_step = self._pending_step, None
         self.latest_step = step
-        self.log(f"Checkpoint {directory.name} saved to {self.run}: training stalled "
-                 f"{self.writer.snapshot_seconds * 1000:.0f}ms, written in {self.writer.write_seconds:.1f}s")
+        if self.rank == 0:
+            self.log(f"Checkpoint {directory.name} saved to {self.run} by {self.world_size} rank(s): "
+                     f"training stalled {self.writer.snapshot_seconds * 1000:.0f}ms, written in "
+                     f"{self.writer.write_seconds:.1f}s")
         return step
 
     def finish(self) -> int | None:
@@ -184,6 +205,5 @@ class CheckpointSaver:
         return self.poll(block=True)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.finish()
-            self.writer.close()
+        self.finish()
+        self.writer.close()

@@ -4,15 +4,14 @@ Footers alone catch a missing column, a wrong type, oversized row groups or an e
 seconds for thousands of shards; `deep` also reads every document (nulls, invalid UTF-8).
 """
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from raychat.common import RaychatError
+from raychat.corpus.files import read_row_group
 from raychat.corpus.index import CorpusIndex, Unit, read_corpus_meta
 
 
@@ -27,7 +26,7 @@ def describe_source(meta: dict) -> str:
 
 @dataclass
 class CorpusSummary:
-    data_dir: Path
+    data_dir: str  # local path or URI
     num_shards: int
     train_row_groups: int
     val_row_groups: int
@@ -63,17 +62,17 @@ class CorpusSummary:
         ])
 
 
-def _deep_check_unit(unit: Unit) -> int:
+def _deep_check_unit(index: CorpusIndex, unit: Unit) -> int:
     """Read a unit's documents; RaychatError on a null or invalid UTF-8 document. Returns their bytes."""
-    column = pq.ParquetFile(unit.path).read_row_group(unit.row_group, columns=["text"]).column(0)
+    column = read_row_group(index.data_dir, unit.path, unit.row_group, None, unit.fingerprint)
     problem = f"{column.null_count} null documents" if column.null_count else ""
     try:
         column.validate(full=True)  # includes UTF-8 validity
     except pa.ArrowInvalid as e:
         problem = " ".join(str(e).split())
     if problem:
-        raise RaychatError(f"{unit.path}: row group {unit.row_group}: {problem}: re-create the shard with "
-                           "`python -m raychat.corpus ingest` (it drops nulls and repairs UTF-8)")
+        raise RaychatError(f"{index.uri(unit)}: row group {unit.row_group}: {problem}: re-create the shard "
+                           "with `python -m raychat.corpus ingest` (it drops nulls and repairs UTF-8)")
     return pc.sum(pc.binary_length(column)).as_py() or 0
 
 
@@ -81,15 +80,19 @@ def validate_corpus(data_dir: str | Path, deep: bool = False) -> CorpusSummary:
     """Check every shard (opens as parquet, `text` column of strings, row groups of 1..1024 documents,
     non-empty train and val splits) from the footers; `deep` also reads every document (null check,
     text bytes). RaychatError naming the file and the fix on the first problem."""
-    index = CorpusIndex.load(data_dir)
-    train_paths = sorted({unit.path for unit in index.train})
+    return summarize(CorpusIndex.load(data_dir), deep)
+
+
+def summarize(index: CorpusIndex, deep: bool = False) -> CorpusSummary:
+    """validate_corpus on an index already built (the driver's: the footers are read once)."""
+    train_sizes = {unit.path: unit.size or 0 for unit in index.train}
     summary = CorpusSummary(
-        data_dir=index.data_dir, num_shards=len(train_paths) + 1,
+        data_dir=index.data_dir, num_shards=len(train_sizes) + 1,
         train_row_groups=len(index.train), val_row_groups=len(index.val),
         train_docs=index.num_train_docs, val_docs=index.num_val_docs,
-        train_bytes=sum(os.path.getsize(p) for p in train_paths),
-        val_bytes=os.path.getsize(index.val[0].path), meta=read_corpus_meta(index.data_dir))
+        train_bytes=sum(train_sizes.values()), val_bytes=index.val[0].size or 0,
+        meta=read_corpus_meta(index.data_dir))
     if deep:
-        summary.train_text_bytes = sum(_deep_check_unit(unit) for unit in index.train)
-        summary.val_text_bytes = sum(_deep_check_unit(unit) for unit in index.val)
+        summary.train_text_bytes = sum(_deep_check_unit(index, unit) for unit in index.train)
+        summary.val_text_bytes = sum(_deep_check_unit(index, unit) for unit in index.val)
     return summary

@@ -4,21 +4,27 @@ other modules of raychat.corpus; nothing imports this one)."""
 import argparse
 from pathlib import Path
 
-from raychat.common import default_data_dir
+from raychat.common import RaychatError, default_data_dir
 from raychat.corpus import download, fixture, ingest, sample
 from raychat.corpus.check import validate_corpus
 from raychat.corpus.index import DEFAULT_DOCS_PER_SHARD, ROW_GROUP_SIZE
+from raychat.evaluation.bundle import default_bundle_dir
+from raychat.evaluation.download import EVAL_BUNDLE_URL, download_eval_bundle
+from raychat.storage import is_uri
 
 DESCRIPTION = """\
 Create, check and inspect raychat corpora: directories of parquet shards in nanochat's layout
 (shard_00000.parquet, ... with one string column `text`, row groups of 1024 documents; the last
-shard is the validation split). Pick one way to get a corpus, then check it:
+shard is the validation split). DIR may also be a bucket URI (s3://bucket/corpus, gs://...,
+"s3://b/c?endpoint_override=host:9000&scheme=http") for every command but download, which writes
+to local disk. Pick one way to get a corpus, then check it:
 
   python -m raychat.corpus download --shards 8          # ClimbMix from Hugging Face (8 train + val)
   python -m raychat.corpus sample --out DIR             # offline: text already on this machine
   python -m raychat.corpus ingest my_texts/ --out DIR   # your .txt/.md/.jsonl/.parquet files
   python -m raychat.corpus synthetic --out DIR --docs 100000 --seed 0   # generated, for tests/benchmarks
   python -m raychat.corpus check DIR
+  python -m raychat.corpus download-eval-bundle          # the CORE tasks (nanochat's eval bundle)
 """
 
 
@@ -26,7 +32,8 @@ def _add_writer_flags(parser: argparse.ArgumentParser, out_default: Path | None 
                       docs_per_shard: int = DEFAULT_DOCS_PER_SHARD) -> None:
     where = f" (default: {out_default})" if out_default else ""
     parser.add_argument("--out", required=out_default is None, default=out_default,
-                        help=f"output corpus directory{where}; created if missing, must hold no shards")
+                        help=f"output corpus directory or bucket URI{where}; created if missing, must "
+                             "hold no shards")
     parser.add_argument("--docs-per-shard", type=int, default=docs_per_shard,
                         help=f"documents per train shard (default: {docs_per_shard})")
     parser.add_argument("--val-docs", type=int, default=None,
@@ -83,13 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None,
                    help="threads generating and compressing (default: CPU count, at most 8)")
 
+    p = commands.add_parser(
+        "download-eval-bundle", help="fetch nanochat's CORE eval bundle (resumable, checked)",
+        description="Fetch nanochat's eval bundle (core.yaml, eval_data/, eval_meta_data.csv: the tasks of "
+        "the CORE metric) and unpack it into --out. An interrupted download resumes; the zip's size and CRCs "
+        "and the bundle's files are checked before it is put in place. Offline, it says where to put it.")
+    p.add_argument("--out", default=None, help=f"bundle directory (default: {default_bundle_dir()})")
+    p.add_argument("--url", default=EVAL_BUNDLE_URL,
+                   help=f"where to fetch the zip (default: {EVAL_BUNDLE_URL})")
+
     p = commands.add_parser("check", help="validate a corpus and print its summary",
                             description="Checks every shard's footer (opens as parquet, string column "
                             "`text`, row groups of 1..1024 documents, non-empty train and val splits); "
                             "--deep also reads every document. Exit code 2 with one line naming the file "
                             "on the first problem.")
     p.add_argument("data_dir", nargs="?", default=None,
-                   help=f"corpus directory (default: {default_data_dir()})")
+                   help=f"corpus directory or bucket URI (default: {default_data_dir()})")
     p.add_argument("--deep", action="store_true", help="also read every document (slower)")
     return parser
 
@@ -99,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         print(validate_corpus(args.data_dir or default_data_dir(), deep=args.deep).format())
         return 0
+    if args.command == "download-eval-bundle":
+        download_eval_bundle(args.out or default_bundle_dir(), url=args.url)
+        return 0
     if args.command == "download":
+        if args.data_dir and is_uri(args.data_dir):
+            raise RaychatError(f"download writes to local disk, not to {args.data_dir}: download to a local "
+                               "--data-dir, then copy the directory into the bucket (e.g. `aws s3 sync`)")
         download.download_shards(args.data_dir or default_data_dir(), args.shards, revision=args.revision,
                                  workers=args.workers)
         print(validate_corpus(args.data_dir or default_data_dir()).format())

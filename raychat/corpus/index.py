@@ -18,13 +18,24 @@ import os
 import random
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raychat.common import RaychatError
+from raychat.corpus.files import (
+    Footer,
+    corpus_storage,
+    list_shard_files,
+    object_uri,
+    read_footer,
+    read_row_group,
+)
+from raychat.storage import Storage, is_uri, join_uri, normalize_location
 
 ROW_GROUP_SIZE = 1024
 DEFAULT_DOCS_PER_SHARD = 8 * ROW_GROUP_SIZE
@@ -57,74 +68,111 @@ class Unit:
     path: str       # absolute path of the parquet file
     row_group: int  # row group index inside the file
     num_rows: int
+    size: int | None = None  # the shard's size in bytes and footer fingerprint (raychat.corpus.files):
+    fingerprint: str = ""    # what a read checks before it trusts the footer's offsets
+
+
+def check_schema(schema: pa.Schema, uri: str) -> None:
+    """A shard needs a `text` column of strings; RaychatError naming the file otherwise."""
+    if "text" not in schema.names:
+        raise RaychatError(f"{uri} has no `text` column (columns: {', '.join(schema.names) or 'none'}): "
+                           "convert it with `python -m raychat.corpus ingest` (which reads a `text` field)")
+    if schema.field("text").type not in TEXT_TYPES:
+        raise RaychatError(f"{uri}: column `text` has type {schema.field('text').type}, expected strings: "
+                           "convert it with `python -m raychat.corpus ingest`")
 
 
 def open_shard(path: Path) -> pq.ParquetFile:
-    """Open a shard's footer and check its schema; RaychatError naming the file otherwise."""
+    """Open a local shard's footer and check its schema; RaychatError naming the file otherwise."""
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise RaychatError(f"{path} is not a readable parquet file ({' '.join(str(e).split())}): delete it "
                            "and re-create it (`python -m raychat.corpus download` re-fetches missing shards)"
                            ) from e
-    schema = parquet.schema_arrow
-    if "text" not in schema.names:
-        raise RaychatError(f"{path} has no `text` column (columns: {', '.join(schema.names) or 'none'}): "
-                           "convert it with `python -m raychat.corpus ingest` (which reads a `text` field)")
-    if schema.field("text").type not in TEXT_TYPES:
-        raise RaychatError(f"{path}: column `text` has type {schema.field('text').type}, expected strings: "
-                           "convert it with `python -m raychat.corpus ingest`")
+    check_schema(parquet.schema_arrow, str(path))
     return parquet
 
 
-def _shard_units(path: Path, shard: int, first_index: int) -> list[Unit]:
-    metadata = open_shard(path).metadata
+def _shard_units(footer: Footer, path: str, uri: str, shard: int, first_index: int) -> list[Unit]:
+    check_schema(footer.metadata.schema.to_arrow_schema(), uri)
+    metadata = footer.metadata
     units = []
     for row_group in range(metadata.num_row_groups):
         num_rows = metadata.row_group(row_group).num_rows
         if num_rows == 0:  # holds nothing to assign; skipping it keeps the other units' ids
             continue
         if num_rows > ROW_GROUP_SIZE:
-            raise RaychatError(f"{path}: row group {row_group} has {num_rows} rows, more than "
+            raise RaychatError(f"{uri}: row group {row_group} has {num_rows} rows, more than "
                                f"{ROW_GROUP_SIZE}: re-shard it with `python -m raychat.corpus ingest`")
-        units.append(Unit(first_index + len(units), shard, str(path), row_group, num_rows))
+        units.append(Unit(first_index + len(units), shard, path, row_group, num_rows, footer.size,
+                          footer.fingerprint))
     return units
+
+
+FOOTER_THREADS = 32   # footers read at once: a bucket answers each in tens of ms, thousands of shards
+
+
+def read_footers(location: str, paths: Sequence[str]) -> list[Footer]:
+    """The footers of many shards, read concurrently (one range request each)."""
+    fs = corpus_storage(location).fs
+    with ThreadPoolExecutor(max_workers=min(FOOTER_THREADS, max(1, len(paths)))) as pool:
+        return list(pool.map(lambda path: read_footer(fs, path, object_uri(location, path)), paths))
+
+
+def _missing_corpus(location: str, storage: Storage) -> RaychatError:
+    if is_uri(location):
+        return RaychatError(f"corpus {location} has no shard_*.parquet files: fill the bucket with "
+                            f"`python -m raychat.corpus download --shards N --data-dir {location}` (or "
+                            "`ingest`/`synthetic` with --out), or check the URI and its endpoint")
+    what = "is not a directory" if storage.exists() else "does not exist"
+    if storage.is_dir():
+        what = "has no shard_*.parquet files"
+    return RaychatError(f"corpus directory {location} {what}: {MAKE_CORPUS_HINT.replace('DIR', location)}")
 
 
 @dataclass
 class CorpusIndex:
-    """Every unit of a corpus, split into train and val, from the parquet footers alone."""
-    data_dir: Path
+    """Every unit of a corpus, split into train and val, from the parquet footers alone; built once by
+    the driver and shipped to the workers, whose reads check each shard against it."""
+    data_dir: str   # an absolute local path or a URI (query kept)
     train: list[Unit]
     val: list[Unit]
+    shards: dict[str, tuple[int, str]] = field(default_factory=dict)  # name -> (size, fingerprint)
 
     @classmethod
     def load(cls, data_dir: str | Path) -> "CorpusIndex":
-        data_dir = Path(data_dir).expanduser().resolve()
-        if not data_dir.is_dir():
-            what = "is not a directory" if data_dir.exists() else "does not exist"
-            raise RaychatError(f"corpus directory {data_dir} {what}: "
-                               f"{MAKE_CORPUS_HINT.replace('DIR', str(data_dir))}")
-        shards = list_shards(data_dir)
+        location = normalize_location(str(data_dir))
+        storage = corpus_storage(location)
+        try:
+            shards = list_shard_files(storage, SHARD_NAME)
+        except (OSError, pa.ArrowException) as e:
+            reason = " ".join(str(e).split())[:300]
+            raise RaychatError(f"corpus {location} cannot be listed ({reason}): check the path or URI, its "
+                               "endpoint and credentials") from None
         if not shards:
-            raise RaychatError(f"corpus directory {data_dir} has no shard_*.parquet files: "
-                               f"{MAKE_CORPUS_HINT.replace('DIR', str(data_dir))}")
+            raise _missing_corpus(location, storage)
         if len(shards) == 1:
-            raise RaychatError(f"corpus directory {data_dir} has only one shard ({shards[0][1].name}), which "
-                               "is the validation split, so there is nothing to train on: add training "
-                               "shards (`ingest` and `sample` write at least two)")
+            raise RaychatError(f"corpus directory {location} has only one shard ({shards[0][1].base_name}), "
+                               "which is the validation split, so there is nothing to train on: add "
+                               "training shards (`ingest` and `sample` write at least two)")
+        footers = read_footers(location, [info.path for _, info in shards])
         train: list[Unit] = []
-        for shard, path in shards[:-1]:
-            train += _shard_units(path, shard, len(train))
-        val_shard, val_path = shards[-1]
-        val = _shard_units(val_path, val_shard, 0)
+        for (shard, info), footer in zip(shards[:-1], footers, strict=False):
+            train += _shard_units(footer, info.path, object_uri(location, info.path), shard, len(train))
+        (val_shard, val_info), val_footer = shards[-1], footers[-1]
+        val_uri = object_uri(location, val_info.path)
+        val = _shard_units(val_footer, val_info.path, val_uri, val_shard, 0)
         if not train:
-            raise RaychatError(f"the training shards {shards[0][1]} .. {shards[-2][1].name} hold zero "
-                               "documents: re-create the corpus")
+            first, last = (object_uri(location, shards[i][1].path) for i in (0, -2))
+            raise RaychatError(f"the training shards {first} .. {last} hold zero documents: re-create the "
+                               "corpus")
         if not val:
-            raise RaychatError(f"{val_path} (the validation shard: the last one) holds zero documents: "
+            raise RaychatError(f"{val_uri} (the validation shard: the last one) holds zero documents: "
                                "re-create the corpus or add a non-empty last shard")
-        return cls(data_dir, train, val)
+        identity = {info.base_name: (footer.size, footer.fingerprint)
+                    for (_, info), footer in zip(shards, footers, strict=True)}
+        return cls(location, train, val, identity)
 
     @property
     def num_train_docs(self) -> int:
@@ -133,6 +181,13 @@ class CorpusIndex:
     @property
     def num_val_docs(self) -> int:
         return sum(unit.num_rows for unit in self.val)
+
+    def identity(self) -> dict[str, list]:
+        """What the run's data depends on, kept in checkpoints: shard name -> [size, fingerprint]."""
+        return {name: list(self.shards[name]) for name in sorted(self.shards)}
+
+    def uri(self, unit: Unit) -> str:
+        return object_uri(self.data_dir, unit.path)
 
     def split(self, name: str) -> list[Unit]:
         if name not in ("train", "val"):
@@ -149,13 +204,65 @@ class CorpusIndex:
         return order
 
 
-def read_unit_texts(unit: Unit, rows: Sequence[int] | None = None) -> list[str]:
-    """The documents of one unit, or just `rows` of it (in the order given)."""
-    table = pq.ParquetFile(unit.path).read_row_group(unit.row_group, columns=["text"])
-    column = table.column(0)
-    if rows is not None:
-        column = column.take(pa.array(rows, type=pa.int64()))
-    return column.to_pylist()
+def identity_difference(recorded: dict, current: dict) -> str | None:
+    """The first shard (by name) that differs between two corpus identities, as a phrase; None if equal."""
+    for name in sorted(set(recorded) | set(current)):
+        if name not in current:
+            return f"{name} is missing"
+        if name not in recorded:
+            return f"{name} was added"
+        (size0, print0), (size1, print1) = recorded[name], current[name]
+        if (size0, print0) != (size1, print1):
+            return (f"{name} changed (size {size0:,} -> {size1:,} bytes, footer fingerprint {print0} -> "
+                    f"{print1})")
+    return None
+
+
+def confirm_identity(index: "CorpusIndex", who: str) -> None:
+    """Re-read every shard's footer here and compare with the identity the driver recorded in `index`;
+    one RaychatError naming the first shard that differs. `who` names the reader (e.g. "rank 3")."""
+    storage = corpus_storage(index.data_dir)
+    names = sorted(index.shards)
+    try:
+        footers = read_footers(index.data_dir, [storage.path(n) for n in names])
+    except (OSError, pa.ArrowException) as e:
+        raise RaychatError(f"{who} cannot read the corpus {index.data_dir} that the driver indexed "
+                           f"({' '.join(str(e).split())[:300]}): every node must reach the same corpus "
+                           "(put it in a bucket: --data-dir s3://...)") from None
+    seen = {name: (f.size, f.fingerprint) for name, f in zip(names, footers, strict=True)}
+    difference = identity_difference(index.shards, seen)
+    if difference is not None:
+        raise RaychatError(f"{who} sees another corpus at {index.data_dir} than the driver indexed: "
+                           f"{difference}; every node must read the same shards (put the corpus in a "
+                           "bucket, --data-dir s3://..., or copy the same files to every node)")
+
+
+def corpus_record(index: "CorpusIndex") -> dict:
+    """What checkpoints keep under "corpus": corpus.json (source, Hub repo and revision), where the
+    corpus was (without a URI's query, which may carry credentials) and its identity."""
+    return {**read_corpus_meta(index.data_dir), "location": index.data_dir.split("?", 1)[0],
+            "identity": index.identity()}
+
+
+def check_checkpoint_corpus(record: dict | None, index: "CorpusIndex", checkpoint: str) -> None:
+    """Refuse in one line to resume a checkpoint whose corpus identity differs from this corpus's:
+    its data cursor counts row groups of those shards. Checkpoints from before identities were kept
+    (no record) pass."""
+    recorded = (record or {}).get("identity")
+    if recorded is None:
+        return
+    difference = identity_difference(recorded, index.identity())
+    if difference is not None:
+        raise RaychatError(f"the corpus {index.data_dir} is not the one {checkpoint} was trained on: "
+                           f"{difference} since then; resume with the run's original shards, or start a "
+                           "new --run-name")
+
+
+def read_unit_texts(unit: Unit, rows: Sequence[int] | None = None, location: str | None = None) -> list[str]:
+    """The documents of one unit, or just `rows` of it (in the order given), by range reads of the
+    shard at `location` (its directory or bucket URI; default: the unit's local directory)."""
+    location = location or os.path.dirname(unit.path)
+    return read_row_group(location, unit.path, unit.row_group, rows, unit.fingerprint).to_pylist()
 
 
 def iter_split_texts(data_dir: str | Path, split: str = "train", max_chars: int | None = None,
@@ -163,8 +270,9 @@ def iter_split_texts(data_dir: str | Path, split: str = "train", max_chars: int 
     """Documents of a split in file order, each cut to `doc_cap` characters; stops after the document
     that brings the running total to `max_chars` (so the total is at least max_chars if the split has it)."""
     total = 0
-    for unit in CorpusIndex.load(data_dir).split(split):
-        for text in read_unit_texts(unit):
+    index = CorpusIndex.load(data_dir)
+    for unit in index.split(split):
+        for text in read_unit_texts(unit, location=index.data_dir):
             if doc_cap is not None:
                 text = text[:doc_cap]
             yield text
@@ -178,21 +286,26 @@ CORPUS_META_FILE = "corpus.json"
 
 def read_corpus_meta(data_dir: str | Path) -> dict:
     """The corpus's metadata (`source`, and `repo`/`revision` for a Hub download); {} when it has none."""
-    path = Path(data_dir).expanduser() / CORPUS_META_FILE
-    if not path.is_file():
-        return {}
+    storage = corpus_storage(normalize_location(str(data_dir)))
+    where = join_uri(storage.location, CORPUS_META_FILE)
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise RaychatError(f"{path} is not readable JSON ({e}): delete it, or re-create the corpus") from e
+        if storage.info(CORPUS_META_FILE).type != pafs.FileType.File:
+            return {}
+        meta = json.loads(storage.read_text(CORPUS_META_FILE))
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise RaychatError(f"{where} is not readable JSON ({e}): delete it, or re-create the corpus") from e
     if not isinstance(meta, dict):
-        raise RaychatError(f"{path} must hold a JSON object: delete it, or re-create the corpus")
+        raise RaychatError(f"{where} must hold a JSON object: delete it, or re-create the corpus")
     return meta
 
 
 def write_corpus_meta(data_dir: str | Path, meta: dict) -> None:
-    """Replace the corpus's metadata atomically (a reader sees the old file or the new one)."""
-    path = Path(data_dir) / CORPUS_META_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Replace the corpus's metadata atomically (a reader sees the old file or the new one: a rename on
+    disk; an object store publishes an object whole)."""
+    storage = corpus_storage(normalize_location(str(data_dir)))
+    data = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
+    if not storage.is_local:
+        storage.write_bytes(CORPUS_META_FILE, data)
+        return
+    storage.write_bytes(CORPUS_META_FILE + ".tmp", data)
+    storage.fs.move(storage.path(CORPUS_META_FILE + ".tmp"), storage.path(CORPUS_META_FILE))

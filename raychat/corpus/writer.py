@@ -12,22 +12,25 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raychat.common import RaychatError
+from raychat.corpus.files import list_shard_files
 from raychat.corpus.index import (
     DEFAULT_DOCS_PER_SHARD,
     ROW_GROUP_SIZE,
-    list_shards,
+    SHARD_NAME,
     shard_filename,
     write_corpus_meta,
 )
+from raychat.storage import Storage
 
 
-def _write_shard_file(path: Path, texts: pa.ChunkedArray) -> None:
+def _write_shard_file(fs: pafs.FileSystem, path: str, texts: pa.ChunkedArray) -> None:
     # nanochat's shard settings: zstd level 3, no dictionary or statistics (useless for text).
-    with pq.ParquetWriter(path, pa.schema([("text", pa.string())]), compression="zstd", compression_level=3,
-                          use_dictionary=False, write_statistics=False) as writer:
+    with pq.ParquetWriter(path, pa.schema([("text", pa.string())]), filesystem=fs, compression="zstd",
+                          compression_level=3, use_dictionary=False, write_statistics=False) as writer:
         for start in range(0, len(texts), ROW_GROUP_SIZE):
             row_group = texts.slice(start, ROW_GROUP_SIZE).combine_chunks()
             writer.write_table(pa.table({"text": row_group}), row_group_size=ROW_GROUP_SIZE)
@@ -37,13 +40,13 @@ class _SplitWriter:
     """Cuts one split's document stream into shards, each written (compressed) on the shared thread
     pool under a temporary name while the caller produces the next; at most a few shards in flight."""
 
-    def __init__(self, name_of: Callable[[int], Path], docs_per_shard: int, pool: ThreadPoolExecutor,
-                 max_in_flight: int):
-        self.name_of, self.docs_per_shard = name_of, docs_per_shard
+    def __init__(self, storage: Storage, name_of: Callable[[int], str], docs_per_shard: int,
+                 pool: ThreadPoolExecutor, max_in_flight: int):
+        self.storage, self.name_of, self.docs_per_shard = storage, name_of, docs_per_shard
         self.pool, self.max_in_flight = pool, max_in_flight
         self.pending: list[pa.Array] = []
         self.num_pending = 0
-        self.files: list[Path] = []
+        self.files: list[str] = []   # temporary names, below the output directory
         self.in_flight: deque[Future] = deque()
         self.num_docs = 0
 
@@ -62,7 +65,8 @@ class _SplitWriter:
         self.files.append(self.name_of(len(self.files)))
         while len(self.in_flight) >= self.max_in_flight:
             self.in_flight.popleft().result()
-        self.in_flight.append(self.pool.submit(_write_shard_file, self.files[-1], pending.slice(0, size)))
+        self.in_flight.append(self.pool.submit(_write_shard_file, self.storage.fs,
+                                               self.storage.path(self.files[-1]), pending.slice(0, size)))
         self.num_docs += size
 
     def close(self) -> None:
@@ -77,7 +81,7 @@ class _SplitWriter:
         wait(self.in_flight)
         self.in_flight.clear()
         for tmp in self.files:
-            tmp.unlink(missing_ok=True)
+            self.storage.delete(tmp)
 
 
 class CorpusWriter:
@@ -95,22 +99,24 @@ class CorpusWriter:
                  overwrite: bool = False, workers: int | None = None, source: str = "custom"):
         if docs_per_shard < 1:
             raise RaychatError(f"--docs-per-shard must be at least 1, got {docs_per_shard}")
-        self.out_dir = Path(out_dir).expanduser().resolve()
-        if self.out_dir.exists() and not self.out_dir.is_dir():
+        self.out = Storage(str(out_dir))   # a local directory or a bucket URI
+        self.out_dir = self.out.location
+        if self.out.info().type == pafs.FileType.File:
             raise RaychatError(f"output {self.out_dir} exists and is not a directory: choose another --out")
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out.make_dir()
         self.source = source
-        self.existing = [path for _, path in list_shards(self.out_dir)]
+        self.existing = [info.base_name for _, info in list_shard_files(self.out, SHARD_NAME)]
         if self.existing and not overwrite:
             raise RaychatError(f"{self.out_dir} already holds {len(self.existing)} shard files: choose an "
                                "empty --out directory or pass --overwrite to replace them")
-        for stale in self.out_dir.glob("shard_*.parquet.tmp*"):  # left by an interrupted write
-            stale.unlink()
+        for stale in self.out.entries():  # left by an interrupted write
+            if stale.base_name.startswith("shard_") and ".parquet.tmp" in stale.base_name:
+                self.out.delete(stale.base_name)
         workers = workers or min(8, os.cpu_count() or 1)
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="corpus-writer")
-        self.train = _SplitWriter(lambda i: self.out_dir / f"shard_{i:05d}.parquet.tmp", docs_per_shard,
+        self.train = _SplitWriter(self.out, lambda i: f"shard_{i:05d}.parquet.tmp", docs_per_shard,
                                   self.pool, workers + 1)
-        self.val = _SplitWriter(lambda i: self.out_dir / f"shard_val{i}.parquet.tmp", 1 << 62, self.pool, 1)
+        self.val = _SplitWriter(self.out, lambda i: f"shard_val{i}.parquet.tmp", 1 << 62, self.pool, 1)
 
     def add_train(self, texts: Sequence[str] | pa.Array) -> None:
         self.train.add(pa.array(texts, type=pa.string()) if not isinstance(texts, pa.Array) else texts)
@@ -118,8 +124,9 @@ class CorpusWriter:
     def add_val(self, texts: Sequence[str] | pa.Array) -> None:
         self.val.add(pa.array(texts, type=pa.string()) if not isinstance(texts, pa.Array) else texts)
 
-    def close(self) -> list[Path]:
-        """Finish both splits and give the files their shard names; returns the shard paths."""
+    def close(self) -> list[str]:
+        """Finish both splits and give the files their shard names (a rename on disk, a copy in a
+        bucket); returns the shards' paths (local) or filesystem paths (bucket)."""
         try:
             self.train.close()
             self.val.close()
@@ -132,12 +139,12 @@ class CorpusWriter:
             raise RaychatError(f"nothing written to {self.out_dir}: the corpus would have "
                                f"{self.train.num_docs} train and {self.val.num_docs} val documents, and both "
                                "splits need at least one (give more input documents or fewer --val-docs)")
-        for path in self.existing:
-            path.unlink(missing_ok=True)
+        for name in self.existing:
+            self.out.delete(name)
         final = []
         for i, tmp in enumerate(self.train.files + self.val.files):
-            final.append(self.out_dir / shard_filename(i))
-            os.replace(tmp, final[-1])
+            final.append(self.out.path(shard_filename(i)))
+            self.out.fs.move(self.out.path(tmp), final[-1])
         write_corpus_meta(self.out_dir, {"source": self.source})  # replaces an overwritten corpus's
         return final
 

@@ -10,10 +10,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from raychat.corpus.download import MAX_SHARD
-from raychat.corpus.index import CorpusIndex, iter_split_texts, read_corpus_meta
+from raychat.corpus.index import CorpusIndex, read_corpus_meta, read_footers, read_unit_texts
 from raychat.scaling import Plan
 from raychat.tokenizer.core import Tokenizer
 
@@ -42,18 +40,33 @@ class CorpusBudget:
 def train_text_bytes(index: CorpusIndex) -> int:
     """UTF-8 bytes of the train documents, from the footers (no document is read)."""
     total = 0
-    for path in sorted({unit.path for unit in index.train}):
-        metadata = pq.ParquetFile(path).metadata
+    for footer in read_footers(index.data_dir, sorted({unit.path for unit in index.train})):
+        metadata = footer.metadata
         for row_group in range(metadata.num_row_groups):
             group = metadata.row_group(row_group)
             total += group.column(0).total_uncompressed_size - 4 * group.num_rows
     return total
 
 
-def corpus_budget(tokens_needed: int, data_dir: str | Path, tokenizer: Tokenizer) -> CorpusBudget:
-    """How tokens_needed compares with what the corpus in data_dir holds, in the tokenizer's tokens."""
-    index = CorpusIndex.load(data_dir)
-    sample = list(iter_split_texts(data_dir, "val", max_chars=SAMPLE_CHARS))
+def _val_sample(index: CorpusIndex) -> list[str]:
+    """The first SAMPLE_CHARS (or a little more) characters of the val split."""
+    sample: list[str] = []
+    chars = 0
+    for unit in index.val:
+        for text in read_unit_texts(unit, location=index.data_dir):
+            sample.append(text)
+            chars += len(text)
+            if chars >= SAMPLE_CHARS:
+                return sample
+    return sample
+
+
+def corpus_budget(tokens_needed: int, data_dir: str | Path | CorpusIndex,
+                  tokenizer: Tokenizer) -> CorpusBudget:
+    """How tokens_needed compares with what the corpus in data_dir (or an index of it) holds, in the
+    tokenizer's tokens."""
+    index = data_dir if isinstance(data_dir, CorpusIndex) else CorpusIndex.load(data_dir)
+    sample = _val_sample(index)
     sample_bytes = sum(len(text.encode()) for text in sample)
     sample_tokens = sum(len(ids) for ids in tokenizer.encode_batch(sample, prepend_bos=False))
     bytes_per_token = sample_bytes / max(sample_tokens, 1)
@@ -64,7 +77,8 @@ def corpus_budget(tokens_needed: int, data_dir: str | Path, tokenizer: Tokenizer
     return CorpusBudget(tokens_needed=tokens_needed, tokens_available=available,
                         bytes_per_token=round(bytes_per_token, 3),
                         epochs=round(tokens_needed / max(available, 1), 3),
-                        source=str(read_corpus_meta(data_dir).get("source", "")), climbmix_shards=shards)
+                        source=str(read_corpus_meta(index.data_dir).get("source", "")),
+                        climbmix_shards=shards)
 
 
 def budget_lines(budget: CorpusBudget) -> list[str]:
@@ -80,6 +94,6 @@ def budget_lines(budget: CorpusBudget) -> list[str]:
                   f"times; ~{budget.climbmix_shards} ClimbMix shards hold enough: {budget.download_command}"]
 
 
-def corpus_budget_lines(plan: Plan, data_dir: str | Path, tokenizer: Tokenizer) -> list[str]:
+def corpus_budget_lines(plan: Plan, data_dir: str | Path | CorpusIndex, tokenizer: Tokenizer) -> list[str]:
     """For the driver: the budget lines of a resolved plan (raychat.scaling.Plan) on this corpus."""
     return budget_lines(corpus_budget(plan.total_tokens, data_dir, tokenizer))

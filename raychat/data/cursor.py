@@ -47,12 +47,6 @@ def compress(ids: Iterable[DocId]) -> list[Run]:
     return runs
 
 
-def expand(runs: Iterable[Sequence[int]]) -> Iterator[DocId]:
-    for epoch, unit, start, stop in runs:
-        for row in range(start, stop):
-            yield (epoch, unit, row)
-
-
 def count(runs: Iterable[Sequence[int]]) -> int:
     return sum(stop - start for _, _, start, stop in runs)
 

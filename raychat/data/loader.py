@@ -25,7 +25,7 @@ starting a worker process per block, which zero-CPU tasks otherwise allow). If n
 DATA_TIMEOUT_S anyway, the rank fails, and Ray restarts the attempt from the latest checkpoint
 instead of hanging.
 
-Validation reads the val split through the same path, packed the same way, from the start.
+Validation rows are read and packed once per attempt in the rank's own process (raychat.data.validation).
 """
 
 import contextlib
@@ -36,7 +36,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -59,7 +58,7 @@ from raychat.tokenizer.core import Tokenizer
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TrainLoader", "merge_cursor", "val_loader"]
+__all__ = ["TrainLoader", "merge_cursor"]
 
 FIRST_DATASET_READS = 4   # reads in the first Ray Data dataset; each next one doubles, up to
 MAX_DATASET_READS = 64    # (a dataset runs ahead to its end; a new one costs a pipeline restart)
@@ -68,20 +67,17 @@ WARM_START_DOCS = 2048    # documents tokenized in this process before Ray Data 
 WARM_START_READS = 2      # in at most this many reads (a read runs single-threaded either way)
 WAIT_WARNING_S = 60       # say so when the packer has waited this long for a read
 DATA_TIMEOUT_S = float(os.environ.get("RAYCHAT_DATA_TIMEOUT_S", "600"))  # then fail the attempt
+NODE_ID_LABEL = "ray.io/node-id"  # the label Ray puts on every node (placement_group.NODE_ID_LABEL_KEY)
 
 
-def _tokenize_reads(reads: Iterable[tuple[int, Unit, list[int] | None]], tokenizer_dir: str) -> pa.Table:
-    """Read and tokenize (k, unit, rows or None for all) reads into a table of (k, tokens) with one
-    row per document, BOS first."""
+def _tokenize_reads(reads: Iterable[tuple[int, Unit, list[int] | None]], tokenizer_dir: str,
+                    location: str) -> pa.Table:
+    """Read (range reads of the corpus at `location`) and tokenize (k, unit, rows or None for all)
+    reads into a table of (k, tokens) with one row per document, BOS first."""
     tokenizer = Tokenizer.load(tokenizer_dir)   # cached per process by raychat.tokenizer.core
     keys, lengths, tokens = [], [0], []
     for k, unit, rows in reads:
-        try:
-            texts = read_unit_texts(unit, rows)
-        except (OSError, pa.ArrowException) as e:  # damaged after the corpus index was built
-            raise RaychatError(f"{unit.path}: row group {unit.row_group} cannot be read ({e}); check the "
-                               f"shards with `python -m raychat.corpus check --deep "
-                               f"{Path(unit.path).parent}`") from e
+        texts = read_unit_texts(unit, rows, location)   # retried; one RaychatError naming the object
         for doc in tokenizer.encode_batch(texts, prepend_bos=True, threads=1):
             keys.append(k)
             lengths.append(len(doc))
@@ -92,15 +88,16 @@ def _tokenize_reads(reads: Iterable[tuple[int, Unit, list[int] | None]], tokeniz
                      "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))})
 
 
-def _read_and_tokenize(batch: dict[str, np.ndarray], tokenizer_dir: str) -> pa.Table:
+def _read_and_tokenize(batch: dict[str, np.ndarray], tokenizer_dir: str, location: str) -> pa.Table:
     """Ray Data task: _tokenize_reads over a batch of planned reads (SourceReader._item rows)."""
     reads = []
     for i, k in enumerate(batch["k"]):
         unit = Unit(int(batch["index"][i]), int(batch["shard"][i]), str(batch["path"][i]),
-                    int(batch["row_group"][i]), int(batch["num_rows"][i]))
+                    int(batch["row_group"][i]), int(batch["num_rows"][i]), int(batch["size"][i]),
+                    str(batch["fingerprint"][i]))
         rows = None if batch["whole"][i] else [int(r) for r in batch["rows"][i]]
         reads.append((int(k), unit, rows))
-    return _tokenize_reads(reads, tokenizer_dir)
+    return _tokenize_reads(reads, tokenizer_dir, location)
 
 
 def _inputs_and_targets(rows: np.ndarray) -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -123,9 +120,10 @@ class SourceReader:
     """
 
     def __init__(self, source: Callable[[int], Source], units: list[Unit], tokenizer_dir: str,
-                 data_tasks: int = 1):
+                 location: str, data_tasks: int = 1):
         self._source = source
         self._units = units
+        self._location = location
         self._tokenizer_dir = str(tokenizer_dir)
         self._data_tasks = data_tasks
         self._queue: queue.Queue = queue.Queue(maxsize=READS_AHEAD)
@@ -147,7 +145,6 @@ class SourceReader:
     def _dataset(self, first: int, size: int):
         import ray
         import ray.data
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         items = [self._item(k) for k in range(first, first + size)]
         ds = ray.data.from_items(items, override_num_blocks=len(items))
@@ -155,10 +152,15 @@ class SourceReader:
         context.execution_options.preserve_order = True
         context.enable_progress_bars = False
         context.print_on_execution_start = False
-        local = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        return ds.map_batches(_read_and_tokenize, fn_kwargs={"tokenizer_dir": self._tokenizer_dir},
-                              batch_size=1, num_cpus=0, concurrency=self._data_tasks,
-                              batch_format="numpy", scheduling_strategy=local)
+        # Ray 2.60's named arguments (ray_remote_args and concurrency are deprecated): at most
+        # data_tasks tasks, on this worker's node where it has room (its own node-id label), else
+        # anywhere (the empty fallback selector): a soft node affinity.
+        here = {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
+        kwargs = {"tokenizer_dir": self._tokenizer_dir, "location": self._location}
+        return ds.map_batches(_read_and_tokenize, fn_kwargs=kwargs,
+                              batch_size=1, num_cpus=0, batch_format="numpy",
+                              compute=ray.data.TaskPoolStrategy(size=self._data_tasks),
+                              label_selector=here, fallback_strategy=[{"label_selector": {}}])
 
     def _put(self, item) -> None:
         while not self._stop.is_set():
@@ -176,7 +178,7 @@ class SourceReader:
         takes that wait off step 0, and Ray Data continues from the next read."""
         k = docs = 0
         while docs < WARM_START_DOCS and k < WARM_START_READS:
-            table = _tokenize_reads([self._read(k)], self._tokenizer_dir)
+            table = _tokenize_reads([self._read(k)], self._tokenizer_dir, self._location)
             for read, docs_of_read in _split_by_read(table):
                 self._put((read, docs_of_read))
             docs += table.num_rows
@@ -265,9 +267,10 @@ class TrainLoader:
         schedule = UnitSchedule(index, shuffle_seed)
         self._corpus_key = {"num_units": schedule.num_units, "shuffle_seed": shuffle_seed}
         if cursor is not None:
-            _check_cursor_matches(cursor, self._corpus_key, index)
+            check_cursor_fits(cursor, schedule.num_units, shuffle_seed, index.data_dir)
         self._sequence = RankSequence(rank_cursor(cursor, rank, world_size, schedule), schedule)
-        self._reader = SourceReader(self._sequence.source, index.train, tokenizer_dir, data_tasks)
+        self._reader = SourceReader(self._sequence.source, index.train, tokenizer_dir, index.data_dir,
+                                    data_tasks)
         self._feed = DocFeed(self._sequence, self._reader)
         self._packer = BestFitPacker(seq_len + 1, buffer_size)
         # Consumed ids for consumed_doc_ids(), 12 bytes each (a long run that never asks for them
@@ -316,52 +319,16 @@ class TrainLoader:
         self.close()
 
 
-def _check_cursor_matches(cursor: dict, corpus_key: dict, index: CorpusIndex) -> None:
-    saved_units, units = cursor.get("num_units"), corpus_key["num_units"]
-    if saved_units != units:
+def check_cursor_fits(cursor: dict, num_units: int, shuffle_seed: int | None, data_dir: str) -> None:
+    """A saved cursor names units by their place in the corpus: it continues only on a corpus of as
+    many train row groups, in the same order. The driver checks this before any worker starts."""
+    saved_units = cursor.get("num_units")
+    if saved_units != num_units:
         raise RaychatError(f"the checkpoint's data cursor was saved for a corpus of {saved_units} train "
-                           f"row groups, but {index.data_dir} has {units}: resume with the run's --data-dir")
-    saved_seed, seed = cursor.get("shuffle_seed"), corpus_key["shuffle_seed"]
-    if saved_seed != seed:
-        raise RaychatError(f"the checkpoint's data cursor was saved with shuffle seed {saved_seed}, this run "
-                           f"uses {seed}: resume with the same seed")
+                           f"row groups, but {data_dir} has {num_units}: resume with the corpus the run "
+                           "started on, or train the new corpus as a new --run-name")
+    saved_seed = cursor.get("shuffle_seed")
+    if saved_seed != shuffle_seed:
+        raise RaychatError(f"the checkpoint's data cursor was saved with --shuffle-seed {saved_seed}, this "
+                           f"run uses {shuffle_seed}: resume with the same seed or a new --run-name")
 
-
-class _ValSequence:
-    """This rank's share of the val split, endlessly: pass p reads every val unit, rows dealt
-    round-robin over ranks by their position in the split."""
-
-    def __init__(self, units: list[Unit], rank: int, world_size: int):
-        self.units = units
-        self.rows: list[tuple[int, ...]] = []
-        start = 0
-        for unit in units:
-            first = (rank - start) % world_size
-            self.rows.append(tuple(range(first, unit.num_rows, world_size)))
-            start += unit.num_rows
-        if not any(self.rows):
-            raise RaychatError(f"the validation split has {start} documents, fewer than the {world_size} "
-                               "workers: use a larger last shard or fewer --num-workers")
-
-    def source(self, k: int) -> Source:
-        passes, i = divmod(k, len(self.units))
-        return Source(passes + 1, i, self.rows[i])
-
-
-def val_loader(index: CorpusIndex, tokenizer_dir: str, seq_len: int, rows: int, rank: int,
-               world_size: int, buffer_size: int = 1000) -> Iterator[tuple["torch.Tensor", "torch.Tensor"]]:
-    """Endless deterministic batches of `rows` packed val rows for this rank (disjoint across ranks).
-
-    Every call starts from the beginning of the split; stop iterating when enough was evaluated."""
-    Tokenizer.load(tokenizer_dir)
-    sequence = _ValSequence(index.val, rank, world_size)
-    reader = SourceReader(sequence.source, index.val, tokenizer_dir)
-    feed = DocFeed(sequence, reader)
-    packer = BestFitPacker(seq_len + 1, buffer_size)
-    try:
-        while True:
-            batch = np.empty((rows, seq_len + 1), dtype=np.int64)
-            packer.fill(batch, feed)
-            yield _inputs_and_targets(batch)
-    finally:
-        reader.close()

@@ -66,8 +66,6 @@ PEAK_BF16_TABLE: list[tuple[tuple[str, ...], float]] = [
     (("mi250",), 362.1e12),        # MI250 spec sheet: 362.1 TFLOPS BF16
     (("mi210",), 181e12),          # MI210 spec sheet: 181 TFLOPS BF16
 ]
-# device-name words -> dense bf16 FLOP/s, for a quick look (lookups go through the ordered table)
-PEAK_BF16_FLOPS: dict[str, float] = {" ".join(names): flops for names, flops in PEAK_BF16_TABLE}
 
 
 def lookup_peak_flops(device_name: str) -> float | None:

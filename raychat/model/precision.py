@@ -3,12 +3,14 @@
 Master weights are always fp32 (the optimizer updates them); `--dtype` sets the activation dtype
 and `--fp8` additionally runs the transformer's large matmuls in float8 (raychat/model/fp8.py).
 
-auto picks bf16 on CUDA SM80+ (Ampere and later: native bf16 tensor cores) and fp32 on every CPU.
-The CPU rule is a measurement, not a guess (bench/RESULTS.md, "Precision on CPU"): on the dev box
-(Xeon with AVX512 but no AVX512_BF16/AMX) a bf16 matmul ran 28x slower than fp32, so bf16 cannot
-win there; on a CPU with native bf16 nobody has yet measured a 200-step run faster at a val bpb
-within 1% of fp32, which is what auto would need to choose it. `--dtype bf16` is allowed on such
-CPUs (the user's call) and refused on CPUs without native bf16, where it only emulates slowly.
+auto picks bf16 on CUDA SM80+ (Ampere and later: native bf16 tensor cores) and on CPUs with native
+bf16 instructions (avx512_bf16 or amx_bf16 among /proc/cpuinfo's flags), fp32 elsewhere. Both CPU
+rules are measurements: on a Xeon with avx512_bf16 (2026-12-01, `python -m bench.step --configs A,B
+--modes eager --dtypes fp32,bf16`) bf16 ran config A at 1.99x and B at 2.44x the tokens/s of fp32,
+and the `--preset cpu` quick start (200 steps) ended at val bpb 2.0144 in bf16 against 2.0173 in
+fp32; on CPUs without those instructions bf16 is emulated (a bf16 matmul ran 28x slower than fp32:
+bench/RESULTS.md, "Precision on CPU"), so there `--dtype bf16` is refused. A model built without a
+precision (library use: raychat.sample, tests) computes in `auto_dtype(device)`: bf16 on CUDA SM80+.
 
 FP8 needs CUDA SM89+ (Ada, Hopper, Blackwell: float8 tensor cores). RAYCHAT_FP8_EMULATE=1 runs
 torchao's emulation instead (plain matmuls on the float8-rounded values): slow, for testing the
@@ -44,18 +46,39 @@ class Precision:
 
 
 @cache
-def cpu_has_native_bf16() -> bool:
-    """Whether this machine's CPU has bf16 instructions (Linux /proc/cpuinfo; False elsewhere)."""
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags (Linux /proc/cpuinfo; none elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
-        return False
-    return any(flag in flags for flag in CPU_BF16_FLAGS)
+        return frozenset()
+    return frozenset(flags)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this machine's CPU has bf16 instructions."""
+    return bool(cpu_flags() & set(CPU_BF16_FLAGS))
+
+
+def cpu_auto_dtype(flags: frozenset[str] | set[str]) -> tuple[torch.dtype, str]:
+    """--dtype auto on a CPU with these feature flags: the dtype, and why (for the plan)."""
+    native = sorted(set(flags) & set(CPU_BF16_FLAGS))
+    if native:
+        return torch.bfloat16, f"bf16, the CPU has native bf16 ({', '.join(native)}): about 2x fp32's tok/s"
+    return torch.float32, "fp32, the CPU has no native bf16 (no avx512_bf16/amx_bf16): bf16 would be emulated"
+
+
+def run_auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """--dtype auto for a run's workers on `device`: the dtype, and why."""
+    if device.type == "cpu":
+        return cpu_auto_dtype(cpu_flags())
+    dtype = auto_dtype(device)
+    return dtype, "bf16 on CUDA SM80+" if dtype == torch.bfloat16 else "fp32, no bf16 tensor cores below SM80"
 
 
 def auto_dtype(device: torch.device | str) -> torch.dtype:
-    """--dtype auto: bf16 on CUDA SM80+, fp32 elsewhere (every CPU: see the module docstring)."""
+    """A model's compute dtype when none is given: bf16 on CUDA SM80+, fp32 elsewhere."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
         return torch.bfloat16
@@ -69,7 +92,7 @@ def resolve_precision(dtype: str, fp8: bool, fp8_recipe: str, device: torch.devi
         raise RaychatError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     if fp8_recipe not in FP8_RECIPES:
         raise RaychatError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {fp8_recipe!r}")
-    chosen = auto_dtype(device) if dtype == "auto" else DTYPES[dtype]
+    chosen = run_auto_dtype(device)[0] if dtype == "auto" else DTYPES[dtype]
     if chosen == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
         raise RaychatError("--dtype bf16: this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag), so "
                            "bf16 would be emulated and many times slower: use --dtype fp32 (or auto)")
@@ -110,7 +133,7 @@ def describe_precision(dtype: str, fp8: bool, fp8_recipe: str, gpus_per_worker: 
         chosen = resolve_precision(dtype, fp8, fp8_recipe, device).name
     except RaychatError as error:
         return f"refused on this machine ({where}): {error}"
-    rule = " (auto: bf16 on CUDA SM80+, fp32 on CPU)" if dtype == "auto" else ""
+    rule = f" (auto: {run_auto_dtype(device)[1]})" if dtype == "auto" else ""
     return f"{chosen} on {where}{rule}"
 
 

@@ -17,6 +17,7 @@ its all-gather launched, so gathers run while later groups compute.
 
 `state_dict()` gathers the shards into full tensors keyed by parameter name, identical on every rank
 and independent of the world size; `load_state_dict()` re-shards such a state for the current one.
+Checkpoints do not gather: raychat.optim.state saves and restores each rank's own ranges.
 """
 
 from dataclasses import dataclass, field
@@ -26,10 +27,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim.adamw import adamw as fused_adamw
 
-from raychat.common import RaychatError
 from raychat.model.gpt import GPT
 from raychat.optim.muon import muon_update
-from raychat.optim.shards import adamw_shard_numel, muon_chunk, world_and_rank
+from raychat.optim.shards import (
+    adam_slots,
+    adamw_shard_numel,
+    check_saved_state,
+    muon_buffers,
+    muon_chunk,
+    world_and_rank,
+)
 
 # nanochat's AdamW sets: lr source, lr multiplier, scaled by (model_dim / 768) ** -0.5, betas, weight decay
 ADAMW_SETS = {
@@ -42,29 +49,6 @@ ADAMW_SETS = {
 }
 ADAMW_EPS = 1e-10
 MUON_DEFAULTS = {"momentum": 0.95, "ns_steps": 5, "beta2": 0.9}
-
-
-def _state_shapes(kind: str, shape: torch.Size) -> dict[str, tuple[int, ...]]:
-    """Shapes of one parameter's tensors in the canonical state dict."""
-    if kind == "adamw":
-        return {"exp_avg": tuple(shape), "exp_avg_sq": tuple(shape)}
-    # NorMuon's second moment is factored: per row for tall or square matrices, per column for wide
-    rows, cols = shape
-    factored = (rows, 1) if rows >= cols else (1, cols)
-    return {"momentum_buffer": (rows, cols), "second_momentum_buffer": factored}
-
-
-@dataclass
-class _AdamSlot:
-    """A contiguous run of a flattened AdamW parameter that this rank updates, with its state."""
-    start: int
-    exp_avg: Tensor
-    exp_avg_sq: Tensor
-    step: Tensor  # 0-D float32 on the parameter's device, as the fused kernel wants it
-
-    def of(self, tensor: Tensor) -> Tensor:
-        """This run of `tensor` (a parameter, its gradient, or a full state tensor), flat."""
-        return tensor.view(-1)[self.start:self.start + self.exp_avg.numel()]
 
 
 @dataclass
@@ -134,48 +118,15 @@ class MuonAdamW(torch.optim.Optimizer):
 
     # ---- sharded state ------------------------------------------------------------------------
 
-    def _adam_slots(self, p: Tensor, world: int, rank: int, full: dict[str, Tensor] | None = None,
-                    step: int = 0) -> list[_AdamSlot]:
-        """This rank's runs of `p` (its shard, then the replicated rest), state cut from `full`
-        (whole-tensor exp_avg and exp_avg_sq) or zeros."""
-        shard = adamw_shard_numel(p.numel(), world)
-        slots = []
-        for start, length in ((rank * shard, shard), (shard * world, p.numel() - shard * world)):
-            if length == 0:
-                continue
-            step_t = torch.tensor(float(step), dtype=torch.float32, device=p.device)
-            slot = _AdamSlot(start, torch.zeros(length, device=p.device, dtype=p.dtype),
-                             torch.zeros(length, device=p.device, dtype=p.dtype), step_t)
-            if full is not None:
-                slot.exp_avg.copy_(full["exp_avg"].reshape(-1)[start:start + length])
-                slot.exp_avg_sq.copy_(full["exp_avg_sq"].reshape(-1)[start:start + length])
-            slots.append(slot)
-        return slots
-
-    def _muon_buffers(self, group: dict, world: int, rank: int,
-                      full: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-        """Momentum buffers of the matrices this rank owns (zero rows past the group's end), cut
-        from `full` (stacked over the whole group) or zeros."""
-        params = group["params"]
-        chunk = muon_chunk(len(params), world)
-        kw = {"device": params[0].device, "dtype": params[0].dtype}
-        shapes = _state_shapes("muon", params[0].shape)
-        buffers = {key: torch.zeros(chunk, *shape, **kw) for key, shape in shapes.items()}
-        if full is not None:
-            for key, buffer in buffers.items():
-                owned = full[key][rank * chunk:(rank + 1) * chunk]
-                buffer[:len(owned)].copy_(owned)
-        return buffers
-
     def _ensure_state(self, world: int, rank: int) -> None:
         for group in self._groups("adamw"):
             for p in group["params"]:
                 if not self.state[p]:
-                    self.state[p]["slots"] = self._adam_slots(p, world, rank)
+                    self.state[p]["slots"] = adam_slots(p, world, rank)
         for group in self._groups("muon"):
             state = self.state[group["params"][0]]  # a group's state lives with its first matrix
             if not state:
-                state.update(self._muon_buffers(group, world, rank))
+                state.update(muon_buffers(group["params"], world, rank))
 
     # ---- step ---------------------------------------------------------------------------------
 
@@ -338,34 +289,24 @@ class MuonAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a canonical state, saved at any world size, sharding it for the current one."""
-        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
-        if [(g["kind"], list(g["names"])) for g in saved_groups] != \
-                [(g["kind"], list(g["names"])) for g in self.param_groups]:
-            raise RaychatError("the optimizer state in this checkpoint has other parameter groups than this "
-                               "model: resume with the saved run's model flags (--depth, --aspect-ratio, "
-                               "--head-dim, ...) or start a new --run-name")
-        for group in self.param_groups:
-            for name, p in zip(group["names"], group["params"], strict=True):
-                for key, shape in _state_shapes(group["kind"], p.shape).items():
-                    found = tuple(saved_state[name][key].shape) if name in saved_state else shape
-                    if found != shape:
-                        raise RaychatError(f"optimizer state {name}.{key} is {found} in the checkpoint, "
-                                           f"expected {shape}: resume with the saved run's model flags or "
-                                           "start a new --run-name")
+        check_saved_state(self.param_groups, state_dict)
+        saved_state = state_dict["state"]
         world, rank = world_and_rank()
         self._layout = (world, rank)
         self.state.clear()
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
-            group.update({key: value for key, value in saved.items() if key not in ("params", "names")})
+        # Only the state is restored: the groups keep the hyperparameters this run was built with
+        # (learning rates and their scale, betas, eps, weight decay), so a rerun with lower rates
+        # after a NaN, or another batch size, trains with what it asked for from this step on.
+        for group in self.param_groups:
             if group["kind"] == "adamw":
                 for name, p in zip(group["names"], group["params"], strict=True):
                     if name in saved_state:
                         entry = saved_state[name]
-                        self.state[p]["slots"] = self._adam_slots(p, world, rank, entry, entry["step"])
+                        self.state[p]["slots"] = adam_slots(p, world, rank, entry, entry["step"])
             elif all(name in saved_state for name in group["names"]):
                 full = {key: torch.stack([saved_state[name][key] for name in group["names"]])
                         for key in ("momentum_buffer", "second_momentum_buffer")}
-                self.state[group["params"][0]].update(self._muon_buffers(group, world, rank, full))
+                self.state[group["params"][0]].update(muon_buffers(group["params"], world, rank, full))
 
 
 def build_optimizer(model: GPT, *, embedding_lr: float, unembedding_lr: float, matrix_lr: float,

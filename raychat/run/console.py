@@ -18,7 +18,7 @@ import re
 import sys
 from collections.abc import Callable
 
-from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+from raychat.run.ray_internals import STDSTREAM_DISPATCHER as dispatcher
 
 # Ray's own magic tokens look the same (":actor_name:", ":info_message:"); a worker's raw log file
 # shows this in front of each of the run's lines.

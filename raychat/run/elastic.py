@@ -21,13 +21,16 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.train.v2._internal.execution.callback import ControllerCallback
-from ray.train.v2._internal.execution.controller.state import (
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raychat.run.ray_internals import (
+    AUTOSCALING_COORDINATOR,
+    ControllerCallback,
     ReschedulingState,
     ResizingState,
     RestartingState,
+    preemption_noticed,
 )
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
 
@@ -46,6 +49,12 @@ class Coordinator:
         self.final: dict = {}
 
     def request_save(self) -> None:
+        """A planned resize asks for a save. After the last step there is nothing left to save (the
+        final checkpoint is written before `finish`): answered at once, so the controller's hold
+        ends now instead of after SAVE_WAIT_S."""
+        if self.final:
+            self.save_requested, self.saved_step = False, self.final.get("step")
+            return
         self.save_requested, self.saved_step = True, None
 
     def poll_request(self) -> bool:
@@ -65,8 +74,11 @@ class Coordinator:
 
     def finish(self, metrics: dict) -> None:
         """Rank 0's last report: Ray Train hands the driver only metrics reported with a checkpoint,
-        and raychat writes its checkpoints itself."""
+        and raychat writes its checkpoints itself. A resize request still open (it came at the last
+        step, when the loop saves no more) is answered with the final step."""
         self.final = metrics
+        if self.save_requested:
+            self.saved(metrics.get("step"))
 
     def final_metrics(self) -> dict:
         return self.final
@@ -77,6 +89,10 @@ class Coordinator:
                     "planned_step": self.saved_step, "notice_step": self.notice_step}
         self.attempts += 1
         self.last_step, self.world_size, self.saved_step, self.notice_step = None, world_size, None, None
+        # A planned-resize request the old group never answered (it came at the last step, or the
+        # save outlasted the controller's wait) belongs to that group: the new one must not save and
+        # sleep for it, nor log a later real failure as a planned resize.
+        self.save_requested = False
         return previous
 
 
@@ -132,9 +148,9 @@ class FreshClusterView(ControllerCallback):
     Ray Train's elastic policy counts the workers that fit from Ray's autoscaling coordinator
     (ray/data/_internal/cluster_autoscaler), which re-reads the cluster only every 20 s. Right after
     a node dies it still lists that node, so the controller asks for the old size and waits out
-    RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S for resources that are gone (bench/RESULTS.md,
-    "Recovery": 15 s of a 29-43 s recovery). Asking the coordinator to re-read once when the
-    controller starts a restart (or reschedules after such a timeout) removes that wait."""
+    RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S for resources that are gone (`python -m bench.recovery
+    --timeline` shows the wait). Asking the coordinator to re-read once when the controller starts
+    a restart (or reschedules after such a timeout) removes that wait."""
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         if isinstance(current_state, (RestartingState, ReschedulingState)):
@@ -145,7 +161,8 @@ def refresh_cluster_view() -> None:
     """Make Ray's autoscaling coordinator re-read the cluster now (a best effort: a Ray without that
     actor or its `recompute` argument keeps its own 20 s timing)."""
     try:
-        coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+        name, namespace = AUTOSCALING_COORDINATOR
+        coordinator = ray.get_actor(name, namespace=namespace)
         ray.get(coordinator.get_reserved_resources.remote("raychat", recompute=True), timeout=10)
     except (ValueError, TypeError, ray.exceptions.RayError):
         pass
@@ -179,3 +196,42 @@ def describe_attempt(previous: dict, step: int, world_size: int, checkpoint: str
     where = f"from step {step} ({checkpoint})" if checkpoint else f"from step {step} (no checkpoint yet)"
     return AttemptStart("failure", f"{what}: continuing on {world_size} {where}; {redone} steps redone",
                         redone)
+
+
+@dataclass
+class ElasticSignals:
+    """A worker's side of the elastic protocol: whether any rank was asked to save now (rank 0 by
+    the coordinator for a planned resize, any rank whose node got a preemption notice). Each rank
+    reads its own flags without blocking (`local_flags`) beside the step; they ride on the step's
+    loss all-reduce (raychat.run.step.train_step), and `update` takes the sums back."""
+
+    coordinator: "ray.actor.ActorHandle | None" = None  # rank 0: the run's Coordinator actor
+    save_request: "ray.ObjectRef | None" = None  # rank 0: a pending Coordinator.poll_request() reply
+    preempt_saved: bool = False  # saved on this attempt's preemption notice already
+    resize_requested: bool = False
+    preempt_requested: bool = False
+
+    def local_flags(self) -> tuple[float, float]:
+        """(resize requested here, preemption noticed here) as numbers to sum across ranks."""
+        preempted = not self.preempt_saved and preemption_noticed()
+        return float(self._poll_resize()), float(preempted)
+
+    def update(self, summed: list[float]) -> None:
+        resize, preempt = summed
+        self.resize_requested, self.preempt_requested = resize > 0, preempt > 0
+
+    @property
+    def save_now(self) -> bool:
+        return self.resize_requested or self.preempt_requested
+
+    def _poll_resize(self) -> bool:
+        """Rank 0: has the controller asked for a save before a planned resize? (never blocks)"""
+        if self.coordinator is None:
+            return False
+        if self.save_request is None:
+            self.save_request = self.coordinator.poll_request.remote()
+        ready, _ = ray.wait([self.save_request], timeout=0)
+        if not ready:
+            return False
+        requested, self.save_request = ray.get(ready[0]), None
+        return bool(requested)

@@ -4,8 +4,9 @@ Each optimizer step consumes the same global rows whatever the number of workers
 share of rows (R//W or R//W+1), the loss is summed and divided by the global token count, and the
 optimizer SUM-reduces gradients, so 1 worker and 8 workers compute the same update. Everything a
 resume needs (model, optimizer, loader cursor, loop state) goes into each checkpoint, so Ray can
-restart the group at any size. `setup` (raychat.run.worker_setup) builds what the loop needs; the
-loop below reads top to bottom, each block a named function above it.
+restart the group at any size. `setup` (raychat.run.worker_setup) builds what the loop runs on: the
+worker's components `w`, its loop state and its elastic signals; the step itself is plain PyTorch
+(raychat.run.step). The loop below reads top to bottom, each block a named function above it.
 """
 
 import gc
@@ -14,34 +15,30 @@ import math
 import os
 import resource
 import time
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import ray.train
 import torch
-import torch.distributed as dist
-from ray.train.v2._internal.execution.context import get_train_context
 
 import raychat
-from raychat.checkpoint.stop_note import write_stop_note
-from raychat.data.loader import merge_cursor, val_loader
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.stop_note import read_stop_note, write_stop_note
+from raychat.common import RaychatError
+from raychat.config import TrainConfig
+from raychat.data.loader import merge_cursor
+from raychat.data.validation import pack_validation_rows
 from raychat.model.flops import mfu as compute_mfu
 from raychat.model.generate import generate
+from raychat.run.checkpointing import state_pieces
+from raychat.run.core_metric import core_due, evaluate_core
+from raychat.run.elastic import ElasticSignals
 from raychat.run.evaluate import SAMPLE_PROMPTS, evaluate_bpb
-from raychat.run.metrics import (
-    counts_toward_total_time,
-    eta_seconds,
-    format_step_line,
-    format_val_line,
-    smooth_loss,
-)
-from raychat.run.worker_setup import Worker, all_gather_objects, setup
-from raychat.scaling import (
-    lr_multiplier,
-    muon_momentum,
-    muon_weight_decay,
-)
+from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
+from raychat.run.step import train_step
+from raychat.run.worker_setup import LoopState, Worker, all_gather_objects, setup
 
 PLANNED_RESIZE_WAIT_S = 120.0  # after a planned-resize save, how long to wait for Ray to restart the group
 
@@ -49,19 +46,14 @@ PLANNED_RESIZE_WAIT_S = 120.0  # after a planned-resize save, how long to wait f
 def validation_rows(w: Worker) -> torch.Tensor:
     """This rank's share of the run's fixed validation rows: the first --eval-tokens of the val split
     packed as by one worker, row i evaluated by rank i % W. The same rows and so the same bpb for
-    the same weights at any world size; packed once per attempt, then reused at every evaluation."""
+    the same weights at any world size; read and packed in this process (raychat.data.validation),
+    once per attempt, then reused at every evaluation."""
     num_rows = max(w.world_size, w.cfg.eval_tokens // w.cfg.max_seq_len)
-    batches = val_loader(w.index, w.tokenizer_dir, w.cfg.max_seq_len, w.cfg.device_batch_size, 0, 1)
-    rows: list[torch.Tensor] = []
-    for x, y in batches:
-        rows.extend(torch.cat([x, y[:, -1:]], dim=1))
-        if len(rows) >= num_rows:
-            break
-    batches.close()
-    return torch.stack(rows[w.rank:num_rows:w.world_size])
+    rows = pack_validation_rows(w.index, w.tokenizer_dir, w.cfg.max_seq_len, num_rows)
+    return torch.from_numpy(rows[w.rank:num_rows:w.world_size].copy())
 
 
-def evaluate(w: Worker) -> float:
+def evaluate(w: Worker, state: LoopState) -> float:
     """Validation bpb over --eval-tokens (all ranks), logged like nanochat."""
     if w.val_rows is None:
         w.val_rows = validation_rows(w)
@@ -70,157 +62,132 @@ def evaluate(w: Worker) -> float:
     w.model.eval()
     bpb = evaluate_bpb(w.model, batches, w.tokenizer.token_bytes(), w.device)
     w.model.train()
-    w.loop.val_bpb = bpb
-    w.loop.min_val_bpb = min(w.loop.min_val_bpb, bpb)
-    w.log(format_val_line(w.step, bpb))
-    if w.ray_metrics:
-        w.ray_metrics.update(val_bpb=bpb)
-    if w.wandb:
-        w.wandb.log({"val/bpb": bpb, "total_training_time": w.loop.total_training_time}, w.step)
+    state.val_bpb = bpb
+    state.min_val_bpb = min(state.min_val_bpb, bpb)
+    w.publisher.eval(state.step, bpb, state.total_training_time)
     return bpb
 
 
-def sample(w: Worker) -> None:
+def sample(w: Worker, step: int) -> None:
     """Greedy continuations of nanochat's prompts (rank 0, uncompiled model: prompt shapes vary)."""
     w.orig_model.eval()
+    texts = []
     for prompt in SAMPLE_PROMPTS:
         tokens = [w.tokenizer.bos_id] + w.tokenizer.encode(prompt)
-        w.log(prompt + w.tokenizer.decode(generate(w.orig_model, tokens, max_tokens=16, temperature=0.0)))
+        completion = generate(w.orig_model, tokens, max_tokens=16, temperature=0.0)
+        texts.append(prompt + w.tokenizer.decode(completion))
     w.orig_model.train()
+    w.publisher.samples(step, texts)
 
 
-def save(w: Worker, wait: bool) -> None:
-    """Checkpoint the state before step `w.step` (all ranks: gathering the state is collective)."""
-    optim_state = w.optimizer.state_dict()  # gathers the ZeRO shards
-    rank_states = all_gather_objects(w.loader.state(), w.world_size)
+def checkpoint_meta(w: Worker, state: LoopState, cursor: dict) -> CheckpointMeta:
+    """Rank 0's record of the state before step `state.step` (lineage is filled in by the saver)."""
+    return CheckpointMeta(
+        step=state.step, model_config=asdict(w.plan.model), world_size=w.world_size,
+        vocab_size=w.tokenizer.vocab_size, tokenizer_fingerprint=w.tokenizer.fingerprint, session=w.session,
+        raychat_version=raychat.__version__, plan=w.plan.to_json(), user_config=w.cfg.to_public_dict(),
+        corpus=w.corpus_meta, cursor=cursor, loop_state=asdict(state), val_bpb=state.val_bpb,
+        metrics={"tokens_so_far": state.step * w.plan.total_batch_size,
+                 "flops_so_far": state.step * w.plan.total_batch_size * w.plan.flops_per_token},
+    )
+
+
+def weights_are_finite(model: torch.nn.Module) -> bool:
+    """Every parameter finite (one host sync). The weights are the same on every rank after a step,
+    so every rank reaches the same answer without a collective; non-finite moments make non-finite
+    weights at the next step, which the next save or the loss catches."""
+    return bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
+
+
+def save(w: Worker, state: LoopState, wait: bool) -> bool:
+    """Checkpoint the state before step `state.step` (all ranks: each writes what it owns, no gather;
+    the cursors' gather also hands every rank rank 0's token for this save). A step is saved once
+    per attempt (a spot notice's save is not repeated at a --save-every step: rewriting a whole
+    checkpoint would leave none at that step while it is rewritten). Returns False, saving nothing,
+    when the weights are not finite: a NaN is never checkpointed."""
+    if w.saver.submitted_step == state.step:
+        return True
+    if not weights_are_finite(w.orig_model):
+        return False
+    w.publisher.flush()  # the metrics log holds every step a checkpoint covers, even in a bucket
+    w.saver.prepare(state.step)
+    gathered = all_gather_objects((w.loader.state(), uuid.uuid4().hex), w.world_size)
+    pieces, plain = state_pieces(w.orig_model, w.optimizer, w.world_size, w.rank)
+    meta = checkpoint_meta(w, state, merge_cursor([cursor for cursor, _ in gathered])) if w.master else None
+    w.saver.save(state.step, pieces, gathered[0][1], meta, extra=plain, wait=wait)
+    return True
+
+
+def stop_on_nan(w: Worker, what: str, step: int) -> None:
+    """Every rank sees the same global loss and weights, so all stop together. The save in flight
+    holds the state from before: finish it, so the last good checkpoint is whole."""
+    w.saver.finish()
+    w.log(f"{what} at step {step}: stopping")
     if w.master:
-        meta = {
-            "step": w.step, "raychat_version": raychat.__version__, "session": w.session,
-            "model_config": asdict(w.plan.model), "plan": w.plan.to_json(), "user_config": w.cfg.to_dict(),
-            "world_size": w.world_size, "vocab_size": w.tokenizer.vocab_size,
-            "tokenizer_fingerprint": w.tokenizer.fingerprint, "cursor": merge_cursor(rank_states),
-            "loop_state": asdict(w.loop), "val_bpb": w.loop.val_bpb, "corpus": w.corpus_meta,
-        }
-        w.saver.save(w.step, w.orig_model.state_dict(), optim_state, meta, wait=wait)
+        write_stop_note(w.storage_path, w.cfg.name, {"reason": "nan", "step": step})
 
 
-def train_step(w: Worker) -> tuple[float, float, float, float]:
-    """One optimizer step over this rank's rows: (global mean loss, lr multiplier, seconds, seconds
-    waiting for data)."""
-    t0 = time.perf_counter()
-    x_all, y_all = w.loader.next_rows(w.micro_slices[-1].stop)
-    data_wait = time.perf_counter() - t0
-    x_all = x_all.to(w.device, non_blocking=True)
-    y_all = y_all.to(w.device, non_blocking=True)
-    inv_global_tokens = 1.0 / (w.plan.rows_per_step * w.cfg.max_seq_len)
-    loss_sum = torch.zeros((), dtype=torch.float32, device=w.device)
-    for sl in w.micro_slices:
-        loss = w.model(x_all[sl], y_all[sl], loss_reduction="sum")
-        (loss * inv_global_tokens).backward()
-        loss_sum += loss.detach()
-    step, n = w.step, w.plan.num_iterations
-    lrm = lr_multiplier(step, n, w.cfg.warmup_steps, w.cfg.warmdown_ratio, w.cfg.final_lr_frac)
-    momentum = muon_momentum(step, n, w.cfg.warmdown_ratio)
-    weight_decay = muon_weight_decay(step, n, w.plan.weight_decay)
-    for group in w.optimizer.param_groups:
-        group["lr"] = group["initial_lr"] * lrm
-        if group["kind"] == "muon":
-            group["momentum"] = momentum
-            group["weight_decay"] = weight_decay
-    w.optimizer.step()
-    w.model.zero_grad(set_to_none=True)
-    # The step's one collective and host sync carries, besides the loss, whether any rank was asked
-    # to save now: rank 0 for a planned resize, any rank whose node got a preemption notice.
-    flags = torch.tensor([_resize_requested(w), _preemption_noticed(w)], dtype=torch.float32)
-    stats = torch.cat([loss_sum.reshape(1), flags.to(w.device)])
-    if w.world_size > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-    loss_total, resize, preempt = stats.tolist()
-    w.resize_requested, w.preempt_requested = resize > 0, preempt > 0
-    return loss_total * inv_global_tokens, lrm, time.perf_counter() - t0, data_wait
-
-
-def _resize_requested(w: Worker) -> float:
-    """Rank 0: has the controller asked for a save before a planned resize? (never blocks)"""
-    if w.coordinator is None:
-        return 0.0
-    if w.save_request is None:
-        w.save_request = w.coordinator.poll_request.remote()
-    ready, _ = ray.wait([w.save_request], timeout=0)
-    if not ready:
-        return 0.0
-    requested, w.save_request = ray.get(ready[0]), None
-    return float(requested)
-
-
-def _preemption_noticed(w: Worker) -> float:
-    """Has Ray marked this worker's node as draining (a spot reclaim)? Read from the worker's own
-    context: the public ray.train.get_preemption_info() is a barrier across workers, too costly per
-    step (ray/train/v2/_internal/execution/train_fn_utils.py, get_preemption_info)."""
-    if w.preempt_saved:
-        return 0.0
-    context = getattr(get_train_context(), "preemption_context", None)
-    return float(getattr(context, "preemption_info", None) is not None)
-
-
-def save_on_request(w: Worker) -> None:
+def save_on_request(w: Worker, state: LoopState, signals: ElasticSignals) -> bool:
     """A planned resize or a preemption notice: checkpoint this step now (synchronously), so the
-    restarted group loses nothing. Before a resize, wait to be stopped instead of training on."""
-    save(w, wait=True)
-    if w.preempt_requested:
-        w.preempt_saved = True
-        if w.coordinator is not None:
-            ray.get(w.coordinator.preemption_saved.remote(w.step))  # for the next attempt's log line
-        w.log(f"Preemption notice: saved step {w.step}")
-    if w.resize_requested:
-        if w.coordinator is not None:
-            ray.get(w.coordinator.saved.remote(w.step))
-        w.log(f"Planned resize: saved step {w.step}, waiting for the new worker group")
+    restarted group loses nothing. Before a resize, wait to be stopped instead of training on.
+    False: the weights were not finite, nothing was saved."""
+    if not save(w, state, wait=True):
+        return False
+    if signals.preempt_requested:
+        signals.preempt_saved = True
+        if signals.coordinator is not None:
+            ray.get(signals.coordinator.preemption_saved.remote(state.step))  # for the next attempt's line
+        w.log(f"Preemption notice: saved step {state.step}")
+    if signals.resize_requested:
+        if signals.coordinator is not None:
+            ray.get(signals.coordinator.saved.remote(state.step))
+        w.log(f"Planned resize: saved step {state.step}, waiting for the new worker group")
         deadline = time.monotonic() + PLANNED_RESIZE_WAIT_S
         while time.monotonic() < deadline:  # Ray stops this group; if it does not, train on
             time.sleep(0.5)
+    return True
 
 
-def log_step(w: Worker, train_loss: float, lrm: float, dt: float, data_wait: float) -> None:
-    """nanochat's step line, the Ray gauges and (every 100 steps) wandb."""
-    step, n, tokens = w.step, w.plan.num_iterations, w.plan.total_batch_size
-    w.loop.smooth_train_loss, debiased = smooth_loss(w.loop.smooth_train_loss, train_loss, step)
+def log_step(w: Worker, state: LoopState, train_loss: float, lrm: float, dt: float, data_wait: float) -> None:
+    """This step's record (nanochat's loop arithmetic), out to the line, gauges, wandb and metrics log."""
+    step, n, tokens = state.step, w.plan.num_iterations, w.plan.total_batch_size
+    state.smooth_train_loss, debiased = smooth_loss(state.smooth_train_loss, train_loss, step)
     if counts_toward_total_time(step):
-        w.loop.total_training_time += dt
-    step_mfu = compute_mfu(w.plan.flops_per_token, tokens / dt, w.peak_flops, w.world_size)
+        state.total_training_time += dt
     epoch, pq, rg = w.loader.position()
-    w.log(format_step_line(step, n, debiased, lrm, dt, tokens / dt, step_mfu, epoch, pq, rg,
-                           w.loop.total_training_time, eta_seconds(step, n, w.loop.total_training_time)))
-    if w.ray_metrics:
-        w.ray_metrics.update(loss=debiased, tokens_per_sec=tokens / dt, mfu=step_mfu or 0.0, step=step,
-                             world_size=w.world_size, data_wait_seconds=data_wait)
-    if w.wandb and step % 100 == 0:
-        w.wandb.log({"train/loss": debiased, "train/lrm": lrm, "train/dt": dt,
-                     "train/tok_per_sec": tokens / dt, "train/mfu": step_mfu or 0.0}, step)
+    total_time = state.total_training_time
+    w.publisher.step(StepMetrics(
+        step=step, num_iterations=n, loss=debiased, raw_loss=train_loss, lrm=lrm, dt=dt,
+        tokens_per_sec=tokens / dt, mfu=compute_mfu(w.plan.flops_per_token, tokens / dt, w.peak_flops,
+                                                    w.world_size),
+        epoch=epoch, pq=pq, rg=rg, total_time_s=total_time, eta_s=eta_seconds(step, n, total_time),
+        data_wait_s=data_wait, world_size=w.world_size, tokens_so_far=(step + 1) * tokens,
+        flops_so_far=(step + 1) * tokens * w.plan.flops_per_token))
 
 
-def report(w: Worker, metrics: dict, last_step: bool) -> None:
+def report(w: Worker, state: LoopState, metrics: dict, last_step: bool, coordinator: Any = None) -> None:
     """Metrics to Ray Train (and Tune). Every rank reports at the same steps: report is a barrier."""
-    metrics.update(step=w.step, world_size=w.world_size, total_tokens=w.step * w.plan.total_batch_size,
-                   flops_so_far=w.step * w.plan.total_batch_size * w.plan.flops_per_token,
-                   min_val_bpb=w.loop.min_val_bpb, total_training_time=w.loop.total_training_time,
-                   checkpoint_step=w.saver.latest_step, train_done=last_step, restarts=w.loop.restarts,
-                   resizes=w.loop.resizes, redone_steps=w.loop.redone_steps)
+    tokens_so_far = state.step * w.plan.total_batch_size
+    metrics.update(step=state.step, world_size=w.world_size, tokens_so_far=tokens_so_far,
+                   flops_so_far=tokens_so_far * w.plan.flops_per_token,
+                   min_val_bpb=state.min_val_bpb, total_training_time=state.total_training_time,
+                   checkpoint_step=w.saver.latest_step, train_done=last_step, restarts=state.restarts,
+                   resizes=state.resizes, redone_steps=state.redone_steps)
     if last_step:
         usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
         on_cuda = w.device.type == "cuda"
         metrics["peak_memory_mib"] = torch.cuda.max_memory_allocated(w.device) / 2**20 if on_cuda else usage
-        if w.coordinator is not None:
-            ray.get(w.coordinator.finish.remote(metrics))  # the driver's summary
-    ray.train.report(metrics)
+        if coordinator is not None:
+            ray.get(coordinator.finish.remote(metrics))  # the driver's summary
+    w.publisher.report(metrics)
 
 
-def _trace_consumed(w: Worker) -> None:
+def _trace_consumed(w: Worker, step: int) -> None:
     """Test hook ($RAYCHAT_TRACE_DIR): append the documents this rank trained on at this step."""
     path = Path(w.trace_dir) / f"{w.attempt}_rank{w.rank}_{os.getpid()}.jsonl"
     with path.open("a") as f:
         ids = [list(i) for i in w.loader.consumed_doc_ids()]
-        f.write(json.dumps({"attempt": w.attempt, "step": w.step, "rank": w.rank, "world_size": w.world_size,
+        f.write(json.dumps({"attempt": w.attempt, "step": step, "rank": w.rank, "world_size": w.world_size,
                             "pid": os.getpid(), "ids": ids}) + "\n")
 
 
@@ -229,54 +196,73 @@ def _due(step: int, every: int) -> bool:
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """Ray Train entry point. `config` holds the TrainConfig as a dict plus resolved paths."""
-    w = setup(config)
+    """Ray Train entry point (raychat.run.driver.build_trainer writes `config`).
+
+    Ray's failure policy retries every worker exception, but a RaychatError is the user's to fix (a
+    corpus that no longer fits the checkpoint's cursor, a wrong tokenizer): no retry can succeed,
+    and with --max-failures -1 the run would loop forever. So the error is left in the stop note
+    and a retry of this session ends at once, without an error, for the driver to report it."""
+    cfg = TrainConfig.from_dict(config["train_config"])
+    note = read_stop_note(cfg.storage_path, cfg.name)
+    if note is not None and note.get("reason") == "error" and note.get("session") == config["session"]:
+        return
+    try:
+        _train(config)
+    except RaychatError as e:
+        write_stop_note(cfg.storage_path, cfg.name,
+                        {"reason": "error", "session": config["session"], "message": str(e)})
+        raise
+
+
+def _train(config: dict) -> None:
+    w, state, signals = setup(config)
     cfg, num_iterations = w.cfg, w.plan.num_iterations
-    first_step = w.step
+    first_step = state.step
     while True:
-        last_step = w.step == num_iterations
+        last_step = state.step >= num_iterations  # the driver refuses a resume past the horizon
         metrics: dict[str, Any] = {}
-        if last_step or _due(w.step, cfg.eval_every):
-            metrics["val_bpb"] = evaluate(w)
-        if w.master and (last_step or (w.step > 0 and _due(w.step, cfg.sample_every))):
-            sample(w)
+        if last_step or _due(state.step, cfg.eval_every):
+            metrics["val_bpb"] = evaluate(w, state)
+        if core_due(cfg, state.step, last_step):
+            metrics.update(evaluate_core(w, state))
+        if w.master and (last_step or (state.step > 0 and _due(state.step, cfg.sample_every))):
+            sample(w, state.step)
         w.saver.poll()
         # Save every --save-every steps and at the end, not at the step we resumed from.
-        if last_step or (w.step != first_step and _due(w.step, cfg.save_every)):
-            save(w, wait=last_step)
+        due = last_step or (state.step != first_step and _due(state.step, cfg.save_every))
+        if due and not save(w, state, wait=last_step):
+            stop_on_nan(w, "Weights are not finite", state.step)
+            break
         if metrics or last_step:
-            report(w, metrics, last_step)
+            report(w, state, metrics, last_step, signals.coordinator)
         if last_step:
             break
 
-        train_loss, lrm, dt, data_wait = train_step(w)
+        result = train_step(w, state.step, also_sum=signals.local_flags())
+        signals.update(result.summed)
         if w.trace_dir:
-            _trace_consumed(w)
-        if not math.isfinite(train_loss):
-            # Every rank sees the same global loss, so all stop together. The save in flight holds the
-            # weights from before this step: finish it, so the last good checkpoint is whole.
-            w.saver.finish()
-            w.log(f"Loss is {train_loss} at step {w.step}: stopping")
-            if w.master:
-                write_stop_note(w.storage_path, cfg.name, {"reason": "nan", "step": w.step})
+            _trace_consumed(w, state.step)
+        if not math.isfinite(result.loss):
+            stop_on_nan(w, f"Loss is {result.loss}", state.step)
             break
-        log_step(w, train_loss, lrm, dt, data_wait)
-        if w.coordinator is not None:
-            w.coordinator.progress.remote(w.step)  # fire and forget: what a restart will have redone
+        log_step(w, state, result.loss, result.lrm, result.dt, result.data_wait)
+        if signals.coordinator is not None:
+            signals.coordinator.progress.remote(state.step)  # fire and forget: what a restart redoes
 
         # nanochat's GC handling: the collector scans often and finds little; freeze after setup.
-        if w.step == first_step:
+        if state.step == first_step:
             gc.collect()
             gc.freeze()
             gc.disable()
-        elif w.step % 5000 == 0:
+        elif state.step % 5000 == 0:
             gc.collect()
-        w.step += 1
-        if (w.resize_requested or w.preempt_requested) and w.step < num_iterations:
-            save_on_request(w)
+        state.step += 1
+        if signals.save_now and state.step < num_iterations and not save_on_request(w, state, signals):
+            stop_on_nan(w, "Weights are not finite", state.step)
+            break
 
     w.saver.close()
     w.loader.close()
+    w.publisher.flush()
     if w.wandb:
         w.wandb.finish()
-

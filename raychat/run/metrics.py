@@ -1,4 +1,8 @@
-"""What a run tells the people watching it: nanochat's log line, Ray dashboard gauges, wandb.
+"""What a run tells the people watching it: nanochat's log line, Ray dashboard gauges, wandb, Ray
+Train/Tune reports and the run's metrics log (raychat.run.metrics_log).
+
+Each step is one `StepMetrics` record, built once by the loop; `Publisher` is the one place records
+go out from to every sink, so adding a metric means adding a field, not editing five call sites.
 
 The step line is nanochat's, character for character, so its users' scripts and habits keep
 working (`grep "Validation bpb:"`, `tok/sec: 129,360`). The loop arithmetic behind its fields
@@ -15,8 +19,12 @@ dashboard's Grafana panels and any Prometheus read.
 """
 
 import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from raychat.common import RaychatError
+from raychat.run.metrics_log import MetricsLog
 
 EMA_BETA = 0.9  # nanochat's smoothing of the logged training loss
 UNTIMED_STEPS = 10  # nanochat leaves the first 10 steps (compilation, warm-up) out of total time
@@ -44,16 +52,52 @@ def eta_seconds(step: int, num_iterations: int, total_time_s: float) -> float | 
     return (num_iterations - step) * total_time_s / timed_steps
 
 
-def format_step_line(step: int, num_iterations: int, loss: float, lrm: float, dt: float, tok_per_sec: float,
-                     mfu: float | None, epoch: int, pq: int, rg: int, total_time_s: float,
-                     eta_s: float | None) -> str:
-    """nanochat's per-step line. dt, total_time_s and eta_s in seconds; mfu in percent (None: n/a)."""
-    mfu_text = "n/a" if mfu is None else f"{mfu:.2f}"
-    eta_text = "" if eta_s is None else f" | eta: {eta_s / 60:.1f}m"
-    return (f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:.2f}%) "
-            f"| loss: {loss:.6f} | lrm: {lrm:.2f} | dt: {dt * 1000:.2f}ms | tok/sec: {int(tok_per_sec):,} "
-            f"| bf16_mfu: {mfu_text} | epoch: {epoch} pq: {pq} rg: {rg} "
-            f"| total time: {total_time_s / 60:.2f}m{eta_text}")
+@dataclass
+class StepMetrics:
+    """One optimizer step as everyone watching sees it. Built once by the loop (raychat.run.loop.log_step)
+    and handed to `Publisher.step`, which writes it to every sink, so a new field is added here once.
+    Running totals end in `_so_far`; the Plan's `total_tokens`/`total_flops` are the planned totals."""
+
+    step: int
+    num_iterations: int
+    loss: float  # debiased EMA of the training loss, as in nanochat's line
+    raw_loss: float  # this step's global mean loss
+    lrm: float  # learning-rate multiplier
+    dt: float  # seconds
+    tokens_per_sec: float  # all workers together
+    mfu: float | None  # percent of the bf16 peak; None where there is no peak (CPU)
+    epoch: int  # the cursor's frontier: epoch, parquet shard, row group
+    pq: int
+    rg: int
+    total_time_s: float  # nanochat's total training time (steps after the 10th)
+    eta_s: float | None
+    data_wait_s: float  # seconds this step waited for its batch
+    world_size: int
+    tokens_so_far: int  # tokens trained, this step included
+    flops_so_far: float
+
+    def line(self) -> str:
+        """nanochat's per-step line, character for character."""
+        mfu_text = "n/a" if self.mfu is None else f"{self.mfu:.2f}"
+        eta_text = "" if self.eta_s is None else f" | eta: {self.eta_s / 60:.1f}m"
+        n = self.num_iterations
+        return (f"step {self.step:05d}/{n:05d} ({100 * self.step / n:.2f}%) "
+                f"| loss: {self.loss:.6f} | lrm: {self.lrm:.2f} | dt: {self.dt * 1000:.2f}ms "
+                f"| tok/sec: {int(self.tokens_per_sec):,} | bf16_mfu: {mfu_text} "
+                f"| epoch: {self.epoch} pq: {self.pq} rg: {self.rg} "
+                f"| total time: {self.total_time_s / 60:.2f}m{eta_text}")
+
+    def gauges(self) -> dict[str, float | None]:
+        return {"loss": self.loss, "tokens_per_sec": self.tokens_per_sec, "mfu": self.mfu or 0.0,
+                "step": self.step, "world_size": self.world_size, "data_wait_seconds": self.data_wait_s}
+
+    def wandb(self) -> dict[str, float]:
+        return {"train/loss": self.loss, "train/lrm": self.lrm, "train/dt": self.dt,
+                "train/tok_per_sec": self.tokens_per_sec, "train/mfu": self.mfu or 0.0}
+
+    def tune(self) -> dict[str, float | None]:
+        """What a Tune result carries of the latest step (beside the report's own fields)."""
+        return {"loss": self.loss, "tokens_per_sec": self.tokens_per_sec, "mfu": self.mfu}
 
 
 def format_val_line(step: int, bpb: float) -> str:
@@ -69,6 +113,7 @@ GAUGES = {
     "tokens_per_sec": "training throughput in tokens per second, all workers together",
     "mfu": "model FLOPs utilisation in percent of the bf16 peak (not set on CPU)",
     "val_bpb": "validation bits per byte at the last evaluation",
+    "core_metric": "nanochat's CORE metric at the last evaluation (centered accuracy on the eval bundle)",
     "step": "optimizer steps done",
     "world_size": "training workers in the current worker group",
     "data_wait_seconds": "seconds the last step waited for its batch",
@@ -139,3 +184,76 @@ class WandbLogger:
         if self._run is not None:
             self._run.finish()
             self._run = None
+
+
+# -----------------------------------------------------------------------------
+# The one place records go out from
+
+
+WANDB_EVERY = 100  # nanochat logs the training curve to wandb every 100 steps
+
+
+class Publisher:
+    """Writes each of the run's records to every sink: the log line, the Ray gauges, wandb, Tune's
+    report and the run's metrics log (raychat.run.metrics_log). Every rank has one, because Ray
+    Train's report is a barrier; only rank 0's has the other sinks."""
+
+    def __init__(self, log: Callable[[str], None], gauges: RayMetrics | None = None,
+                 wandb: WandbLogger | None = None, metrics_log: MetricsLog | None = None):
+        self._log, self._gauges, self._wandb, self._metrics_log = log, gauges, wandb, metrics_log
+        self.last: StepMetrics | None = None  # the latest step, for the next report
+
+    def _record(self, kind: str, **fields: Any) -> None:
+        if self._metrics_log is not None:
+            self._metrics_log.write(kind, **fields)
+
+    def start(self, **fields: Any) -> None:
+        """An attempt started (rank 0, after setup): its step, world size, plan and restart counts."""
+        self._record("start", **fields)
+
+    def step(self, m: StepMetrics) -> None:
+        self.last = m
+        self._log(m.line())
+        if self._gauges is not None:
+            self._gauges.update(**m.gauges())
+        if self._wandb is not None and m.step % WANDB_EVERY == 0:
+            self._wandb.log(m.wandb(), m.step)
+        self._record("step", **asdict(m))
+
+    def eval(self, step: int, val_bpb: float, total_training_time: float) -> None:
+        self._log(format_val_line(step, val_bpb))
+        if self._gauges is not None:
+            self._gauges.update(val_bpb=val_bpb)
+        if self._wandb is not None:
+            self._wandb.log({"val/bpb": val_bpb, "total_training_time": total_training_time}, step)
+        self._record("eval", step=step, val_bpb=val_bpb, total_training_time=total_training_time)
+
+    def core(self, step: int, line: str, core_metric: float, centered: dict[str, float],
+             seconds: float) -> None:
+        """A CORE evaluation (raychat.run.core_metric): nanochat's line, the gauge, wandb with the
+        centered result per task, and the metrics log (raychat.report plots it)."""
+        self._log(line)
+        if self._gauges is not None:
+            self._gauges.update(core_metric=core_metric)
+        if self._wandb is not None:
+            self._wandb.log({"core_metric": core_metric, "centered_results": centered}, step)
+        self._record("core", step=step, core_metric=core_metric, centered=centered, seconds=seconds)
+
+    def samples(self, step: int, texts: list[str]) -> None:
+        for text in texts:
+            self._log(text)
+        self._record("samples", step=step, samples=texts)
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        """Ray Train's report (Tune's result) with the latest step's numbers; all ranks, same steps."""
+        import ray.train
+
+        if self.last is not None:
+            metrics = {**self.last.tune(), **metrics}
+        self._record("report", **metrics)  # written at once, as every record but steps
+        ray.train.report(metrics)
+
+    def flush(self) -> None:
+        """Write what the metrics log holds back (a bucket's copy is rewritten every 30 s otherwise)."""
+        if self._metrics_log is not None:
+            self._metrics_log.flush()

@@ -12,6 +12,7 @@ import json
 import re
 from collections.abc import Mapping
 
+QUIET_HOOK = "raychat.run.quiet.quiet_ray"
 FORWARDED_PREFIXES = ("RAYCHAT_", "WANDB_", "RAY_TRAIN_")  # RAY_TRAIN_*: read by the Train controller
 # Matched anywhere in the name: WANDB_API_KEY, *_TOKEN, *_SECRET, *_PASSWORD and their variants.
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
@@ -32,4 +33,6 @@ def worker_runtime_env(environ: Mapping[str, str]) -> dict:
     # Ray Train's print patch copies every worker print into its logger as well, and where stdout
     # has been wrapped (wandb, Ray Data progress) the step lines then reach the driver twice.
     env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-    return {"env_vars": env}
+    # Every worker process of the run (Train controller, Train workers, Ray Data tasks) silences
+    # Ray's chatter as it starts, unless RAYCHAT_VERBOSE is set (raychat.run.quiet).
+    return {"env_vars": env, "worker_process_setup_hook": QUIET_HOOK}

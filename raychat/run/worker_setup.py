@@ -1,4 +1,9 @@
-"""What one Ray Train worker builds before its first step: the `Worker` the loop runs on.
+"""What one Ray Train worker builds before its first step: the three things the loop runs on.
+
+- `Worker`: the components (model, optimizer, loader, saver, metrics sinks), built once;
+- `LoopState`: the step and the counters a resume restores, which the loop advances;
+- `ElasticSignals` (raychat.run.elastic): rank 0's handle on the run's coordinator and the requests
+  to save now (planned resize, preemption notice).
 
 `setup` reads the run's config, agrees with the other ranks on the checkpoint to resume from (see
 raychat.checkpoint.resume), starts the data loader on its cursor first (so Ray Data's start-up and the first
@@ -9,47 +14,47 @@ which logs why, if this is a restart. The train loop itself is in raychat.run.lo
 
 import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray.train
 import torch
 import torch.distributed as dist
 
+from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.resume import Restore, candidates
 from raychat.checkpoint.saver import CheckpointSaver
+from raychat.common import RaychatError
 from raychat.config import TrainConfig
-from raychat.corpus.index import CorpusIndex, read_corpus_meta
+from raychat.corpus.index import CorpusIndex, confirm_identity, corpus_record
 from raychat.data.loader import TrainLoader
 from raychat.model.compile_check import probe_compile, uses_compile
 from raychat.model.flops import peak_flops
 from raychat.model.gpt import build_model
 from raychat.model.precision import configure_matmuls, resolve_precision
 from raychat.optim.muon_adamw import build_optimizer
+from raychat.run.checkpointing import apply_share, read_share
 from raychat.run.console import log_line
-from raychat.run.elastic import coordinator_name, describe_attempt
-from raychat.run.metrics import (
-    RayMetrics,
-    WandbLogger,
-)
-from raychat.scaling import (
-    Plan,
-    micro_batch_sizes,
-    rank_rows,
-    resolve_plan,
-)
+from raychat.run.elastic import ElasticSignals, coordinator_name, describe_attempt
+from raychat.run.metrics import Publisher, RayMetrics, WandbLogger
+from raychat.run.metrics_log import MetricsLog
+from raychat.run.step import micro_slices
+from raychat.scaling import Plan, rank_rows
 from raychat.storage import Storage
 from raychat.tokenizer.core import Tokenizer, check_vocab
 
 
 @dataclass
 class LoopState:
-    """Loop variables besides the step that a resume must restore (nanochat's loop_state)."""
+    """Where the loop is and what a resume must restore besides the weights (nanochat's loop_state)."""
 
+    step: int = 0  # the next optimizer step
     min_val_bpb: float = float("inf")
     smooth_train_loss: float = 0.0
     total_training_time: float = 0.0
     val_bpb: float | None = None
+    core_metric: float | None = None  # at the last CORE evaluation (raychat.run.core_metric)
     restarts: int = 0  # worker-group restarts after failures
     resizes: int = 0  # planned resizes (the group grew or shrank with nothing lost)
     redone_steps: int = 0  # steps trained again after restarts (work lost since the last checkpoint)
@@ -57,7 +62,8 @@ class LoopState:
 
 @dataclass
 class Worker:
-    """What the loop needs, built once by `setup`."""
+    """The worker's components, built once by `setup`: what the loop computes with (model, optimizer,
+    loader: see raychat.run.step.StepComponents) and where its results go (saver, metrics, log)."""
 
     cfg: TrainConfig
     plan: Plan
@@ -75,20 +81,13 @@ class Worker:
     storage_path: str
     session: str
     corpus_meta: dict  # what made the corpus (source; Hub repo and revision), kept with each checkpoint
-    step: int = 0
-    loop: LoopState = field(default_factory=LoopState)
-    micro_slices: list[slice] = field(default_factory=list)
-    peak_flops: float = 0.0
-    ray_metrics: RayMetrics | None = None
+    micro_slices: list[slice]
+    peak_flops: float
     wandb: WandbLogger | None = None
+    publisher: Publisher | None = None  # where the run's records go out (every rank)
     trace_dir: str | None = None
-    attempt: str = ""
-    coordinator: Any = None  # rank 0: the run's elastic Coordinator actor
-    save_request: Any = None  # rank 0: a pending Coordinator.poll_request() reply
-    val_rows: torch.Tensor | None = None  # this rank's share of the fixed validation rows
-    preempt_saved: bool = False
-    resize_requested: bool = False
-    preempt_requested: bool = False
+    attempt: str = ""  # one id per start of the group (rank 0's): a trace tells redone steps apart
+    val_rows: torch.Tensor | None = None  # this rank's share of the fixed validation rows, built at first use
 
     @property
     def master(self) -> bool:
@@ -114,47 +113,71 @@ def _set_cpu_threads(local_world_size: int) -> None:
     torch.set_num_threads(max(1, cores // local_world_size))
 
 
-def setup(config: dict) -> Worker:
-    """Tokenizer, plan, resume position, loader, model and optimizer for this rank."""
-    cfg = TrainConfig.from_dict(config["train_config"])
-    ctx = ray.train.get_context()
-    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
-    if device.type == "cpu":
-        _set_cpu_threads(ctx.get_local_world_size())
-    master = rank == 0
+@dataclass
+class _Rank:
+    """Where this worker stands in the group, and its logger (rank 0 prints)."""
 
-    def log(message: str) -> None:
-        if master:
+    rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
             log_line(message)
 
-    use_compile = uses_compile(cfg.compile, device)
-    if use_compile and not config.get("compile_checked"):
-        probe_compile(device)  # one line instead of a traceback at the first forward
-    tokenizer = Tokenizer.load(config["tokenizer_dir"])
-    plan = resolve_plan(cfg, tokenizer.vocab_size, world_size)
-    run = Storage(config["storage_path"]).child(cfg.name)
-    gather = lambda obj: all_gather_objects(obj, world_size)  # noqa: E731
+    def gather(self, obj: Any) -> list[Any]:
+        return all_gather_objects(obj, self.world_size)
 
-    # Resume position first: with the cursor known the loader starts now, so Ray Data's start-up and
-    # the tokenizing of the packer's first documents overlap building and restoring the model.
-    names = gather(candidates(run, config["session"], config.get("resume_from")) if master else None)[0]
-    restore = Restore(run, names, gather, log)
-    index = CorpusIndex.load(config["data_dir"])
-    trace_dir = os.environ.get("RAYCHAT_TRACE_DIR")
 
-    def start_loader(meta: dict | None) -> TrainLoader:
-        cursor = meta["cursor"] if meta else None
-        return TrainLoader(index, config["tokenizer_dir"], cfg.max_seq_len, rank, world_size, cursor=cursor,
+def _this_rank() -> _Rank:
+    ctx = ray.train.get_context()
+    me = _Rank(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_world_size(),
+               ray.train.torch.get_device())
+    if me.device.type == "cpu":
+        _set_cpu_threads(me.local_world_size)
+    return me
+
+
+def _the_drivers_tokenizer(directory: str, fingerprint: str, where: str) -> Tokenizer:
+    """The tokenizer at `directory`, which must be the one the driver checked: node-local copies
+    made at different times differ, and a rank with another vocabulary trains on other tokens."""
+    tokenizer = Tokenizer.load(directory)
+    if tokenizer.fingerprint != fingerprint:
+        raise RaychatError(f"{where} loads another tokenizer from {directory} than the driver checked "
+                           f"(fingerprint {tokenizer.fingerprint[:12]}, the driver's {fingerprint[:12]}): "
+                           "every node must have the same tokenizer directory (copy the driver's to every "
+                           "node)")
+    return tokenizer
+
+
+def _agree_on_restore(config: dict, run: Storage, tokenizer: Tokenizer, me: _Rank) -> Restore:
+    """The checkpoint every rank resumes from (rank 0 decides), its vocabulary checked."""
+    mine = candidates(run, config["session"], config.get("resume_from")) if me.rank == 0 else None
+    names = me.gather(mine)[0]
+    restore = Restore(run, names, me.gather, me.log)
+    if restore.meta is not None:
+        check_vocab(tokenizer, restore.meta.vocab_size, restore.meta.tokenizer_fingerprint,
+                    str(restore.checkpoint))
+    return restore
+
+
+def _loader_starter(config: dict, cfg: TrainConfig, index: CorpusIndex, me: _Rank,
+                    trace_dir: str | None) -> Callable[[CheckpointMeta | None], TrainLoader]:
+    """Starts this rank's loader on a checkpoint's cursor (None: the start of the corpus)."""
+
+    def start(meta: CheckpointMeta | None) -> TrainLoader:
+        return TrainLoader(index, cfg.tokenizer_dir, cfg.max_seq_len, me.rank, me.world_size,
+                           cursor=meta.cursor if meta else None,
                            shuffle_seed=cfg.shuffle_seed if cfg.shuffle_seed >= 0 else None,
                            data_tasks=max(1, int(cfg.cpus_per_worker)), record_consumed=bool(trace_dir))
 
-    if restore.meta is not None:
-        check_vocab(tokenizer, restore.meta["vocab_size"], restore.meta.get("tokenizer_fingerprint"),
-                    str(restore.checkpoint))
-    loader = start_loader(restore.meta)
-    first_meta = restore.meta
+    return start
 
+
+def _build_model_and_optimizer(cfg: TrainConfig, plan: Plan, device: torch.device, use_compile: bool
+                               ) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, str]:
+    """(model, model compiled or not, MuonAdamW over it, the precision's name)."""
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights without a broadcast
     precision = resolve_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, device)
     configure_matmuls(device)
@@ -168,51 +191,95 @@ def setup(config: dict) -> Worker:
         scalar_lr=cfg.scalar_lr * plan.lr_scale,
         weight_decay=plan.weight_decay,
     )
-    step, loop = 0, LoopState()
-    state = restore.load(device)
-    resumed_from = restore.checkpoint.name if state is not None else None
-    if state is not None:
-        if restore.meta is not first_meta:  # fell back to an older checkpoint: its cursor, not the other's
+    return orig_model, model, optimizer, precision.name
+
+
+def _start_attempt(config: dict, state: LoopState, resumed_from: str | None, me: _Rank) -> ElasticSignals:
+    """Rank 0 tells the run's coordinator an attempt started, logs why if it is a restart and counts it."""
+    if me.rank != 0:
+        return ElasticSignals()
+    coordinator = ray.get_actor(coordinator_name(config["session"]))
+    previous = ray.get(coordinator.start_attempt.remote(state.step, me.world_size))
+    start = describe_attempt(previous, state.step, me.world_size, resumed_from)
+    if start.line:
+        me.log(start.line)
+    state.restarts += start.kind == "failure"
+    state.resizes += start.kind == "planned"
+    state.redone_steps += start.redone_steps
+    return ElasticSignals(coordinator)
+
+
+def _publisher(w: Worker, state: LoopState, run: Storage, precision: str, peak_source: str,
+               resumed_from: str | None) -> Publisher:
+    """Rank 0's sinks (gauges, wandb, the run's metrics log, which records this attempt's start with
+    the plan, for raychat.report); the other ranks only report to Ray Train."""
+    if not w.master:
+        return Publisher(w.log)
+    publisher = Publisher(w.log, RayMetrics(run_name=w.cfg.name), w.wandb, MetricsLog(run))
+    publisher.start(step=state.step, world_size=w.world_size, restarts=state.restarts, resizes=state.resizes,
+                    redone_steps=state.redone_steps, resumed_from=resumed_from, precision=precision,
+                    device=str(w.device), plan=w.plan.to_json(), config=w.cfg.to_public_dict(),
+                    peak_flops=w.peak_flops, peak_flops_source=peak_source)
+    return publisher
+
+
+def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
+    """This rank's components, the loop state to start from and its line to the run's coordinator.
+
+    The resume position comes first: with the cursor known the loader starts now, so Ray Data's
+    start-up and the tokenizing of the packer's first documents overlap building and restoring the
+    model."""
+    cfg = TrainConfig.from_dict(config["train_config"])
+    me = _this_rank()
+    use_compile = uses_compile(cfg.compile, me.device)
+    if use_compile and not config.get("compile_checked"):
+        probe_compile(me.device)  # one line instead of a traceback at the first forward
+    where = f"rank {me.rank} ({ray.util.get_node_ip_address()})"
+    tokenizer = _the_drivers_tokenizer(cfg.tokenizer_dir, config["tokenizer_fingerprint"], where)
+    plan = Plan.from_json(config["plan"]).at_world_size(me.world_size)  # the driver's, dealt to this group
+    run = Storage(cfg.storage_path).child(cfg.name)
+    index: CorpusIndex = config["corpus_index"]   # the driver's, from the footers: no listing here
+    confirm_identity(index, where)
+    trace_dir = os.environ.get("RAYCHAT_TRACE_DIR")
+    restore = _agree_on_restore(config, run, tokenizer, me)
+    start_loader = _loader_starter(config, cfg, index, me, trace_dir)
+    first_choice = restore.checkpoint
+    loader = start_loader(restore.meta)
+
+    orig_model, model, optimizer, precision = _build_model_and_optimizer(cfg, plan, me.device, use_compile)
+    state = LoopState()
+    share = restore.load(lambda reader: read_share(reader, orig_model, optimizer, me.world_size, me.rank))
+    resumed_from = restore.checkpoint.name if share is not None else None
+    if share is not None:
+        if restore.checkpoint != first_choice:  # fell back to an older checkpoint: its cursor
             loader.close()
             loader = start_loader(restore.meta)
-        orig_model.load_state_dict(state[0], strict=True)
-        optimizer.load_state_dict(state[1])
-        del state
-        step, loop = restore.meta["step"], LoopState(**restore.meta["loop_state"])
-        log(f"Resumed from {restore.checkpoint} at step {step} "
-            f"(saved by {restore.meta['world_size']} workers, now {world_size})")
-    coordinator = ray.get_actor(coordinator_name(config["session"])) if master else None
-    if coordinator is not None:
-        previous = ray.get(coordinator.start_attempt.remote(step, world_size))
-        start = describe_attempt(previous, step, world_size, resumed_from)
-        if start.line:
-            log(start.line)
-        loop.restarts += start.kind == "failure"
-        loop.resizes += start.kind == "planned"
-        loop.redone_steps += start.redone_steps
+        apply_share(share, orig_model, optimizer, me.world_size, me.device)
+        del share
+        state = LoopState(**{**restore.meta.loop_state, "step": restore.meta.step})
+        me.log(f"Resumed from {restore.checkpoint} at step {state.step} "
+               f"(saved by {restore.meta.world_size} workers, now {me.world_size})")
+    signals = _start_attempt(config, state, resumed_from, me)
 
-    micro_slices, offset = [], 0
-    for size in micro_batch_sizes(rank_rows(plan.rows_per_step, world_size, rank), cfg.device_batch_size):
-        micro_slices.append(slice(offset, offset + size))
-        offset += size
-    peak, peak_source = peak_flops(device)
+    slices = micro_slices(rank_rows(plan.rows_per_step, me.world_size, me.rank), cfg.device_batch_size)
+    peak, peak_source = peak_flops(me.device)
     if peak_source == "measured":
-        gpu_name = torch.cuda.get_device_name(device)
-        log(f"Peak bf16 FLOPS: {peak:.3e} (measured: {gpu_name} is not in the table)")
+        gpu = torch.cuda.get_device_name(me.device)
+        me.log(f"Peak bf16 FLOPS: {peak:.3e} (measured: {gpu} is not in the table)")
+    master = me.rank == 0
     worker = Worker(
-        cfg=cfg, plan=plan, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
-        index=index, tokenizer_dir=config["tokenizer_dir"], loader=loader, orig_model=orig_model,
-        model=model, optimizer=optimizer, storage_path=config["storage_path"], session=config["session"],
-        corpus_meta=read_corpus_meta(config["data_dir"]),
-        saver=CheckpointSaver(run, cfg.keep_checkpoints, enabled=master, log=log),
-        step=step, loop=loop, micro_slices=micro_slices, peak_flops=peak, trace_dir=trace_dir,
-        ray_metrics=RayMetrics(run_name=cfg.name) if master else None, coordinator=coordinator,
-        wandb=WandbLogger(cfg.run, config=cfg.to_dict()) if master else None,
+        cfg=cfg, plan=plan, rank=me.rank, world_size=me.world_size, device=me.device, tokenizer=tokenizer,
+        index=index, tokenizer_dir=cfg.tokenizer_dir, loader=loader, orig_model=orig_model,
+        model=model, optimizer=optimizer, storage_path=cfg.storage_path, session=config["session"],
+        corpus_meta=corpus_record(index),
+        saver=CheckpointSaver(run, cfg.keep_checkpoints, me.rank, me.world_size, me.log, parent=restore.meta,
+                              parent_name=resumed_from),
+        micro_slices=slices, peak_flops=peak, trace_dir=trace_dir,
+        wandb=WandbLogger(cfg.run, config=cfg.to_public_dict()) if master else None,
+        attempt=me.gather(f"{time.time():.3f}")[0] if trace_dir else "",
     )
-    # One id per start of the worker group (rank 0's), so a trace can tell redone steps apart.
-    worker.attempt = gather(f"{time.time():.3f}")[0] if trace_dir else ""
-    log(f"Training {plan.num_iterations} steps on {world_size} worker(s), {offset} rows/step on rank 0 "
-        f"in micro-batches {[s.stop - s.start for s in micro_slices]}, device {device}, {precision.name}")
-    return worker
-
-
+    worker.publisher = _publisher(worker, state, run, precision, peak_source, resumed_from)
+    me.log(f"Training {plan.num_iterations} steps on {me.world_size} worker(s), {slices[-1].stop} rows/step "
+           f"on rank 0 in micro-batches {[s.stop - s.start for s in slices]}, device {me.device}, "
+           f"{precision}")
+    return worker, state, signals

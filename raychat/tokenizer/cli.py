@@ -7,6 +7,7 @@ from pathlib import Path
 
 from raychat.common import RaychatError, default_data_dir, default_tokenizer_dir
 from raychat.corpus.index import iter_split_texts
+from raychat.storage import normalize_location
 from raychat.tokenizer.core import Tokenizer
 from raychat.tokenizer.evaluate import evaluate_tokenizer
 from raychat.tokenizer.train import MIN_VOCAB_SIZE, train_tokenizer
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
+    data_dir = normalize_location(args.data_dir or str(default_data_dir()))  # a path or a bucket URI
     tokenizer_dir = Path(args.tokenizer_dir).expanduser() if args.tokenizer_dir else default_tokenizer_dir()
     if args.command == "train":
         train_tokenizer(data_dir, tokenizer_dir, args.vocab_size, args.max_chars, args.doc_cap)
@@ -65,6 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     texts = list(iter_split_texts(data_dir, "val", max_chars=args.max_chars))
     stats = evaluate_tokenizer(tokenizer, texts, args.threads)
     print(f"tokenizer {tokenizer.directory} (vocab {tokenizer.vocab_size:,}, fingerprint "
-          f"{tokenizer.fingerprint}) on the validation split of {Path(data_dir).resolve()}:")
+          f"{tokenizer.fingerprint}) on the validation split of {data_dir}:")
     print(stats.format())
     return 0

@@ -17,6 +17,7 @@ import numpy as np
 
 from raychat.common import RaychatError
 from raychat.corpus.index import CorpusIndex, iter_split_texts
+from raychat.storage import normalize_location
 from raychat.tokenizer.core import (
     FORMAT_VERSION,
     HF_FILE,
@@ -126,7 +127,7 @@ def train_tokenizer(data_dir: str | Path, out_dir: str | Path, vocab_size: int =
                            f"{MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
     if max_chars < 1 or doc_cap < 1:
         raise RaychatError(f"--max-chars ({max_chars}) and --doc-cap ({doc_cap}) must be at least 1")
-    data_dir = Path(data_dir).expanduser().resolve()
+    data_dir = normalize_location(str(data_dir))  # a local path or a bucket URI
     out_dir = Path(out_dir).expanduser().resolve()
     index = CorpusIndex.load(data_dir)  # a bad corpus fails here, before any training
     from tokenizers.trainers import BpeTrainer
@@ -185,12 +186,3 @@ def train_tokenizer(data_dir: str | Path, out_dir: str | Path, vocab_size: int =
     tokenizer = Tokenizer.load(out_dir)
     log(f"Saved tokenizer to {out_dir} (vocab {vocab_size:,}, fingerprint {tokenizer.fingerprint})")
     return tokenizer
-
-
-def load_hf_tokenizer(tokenizer_dir: str | Path):
-    """The HF `tokenizers.Tokenizer` of a saved tokenizer (same ids as `Tokenizer`). Special-token
-    strings inside a text are matched as special tokens unless `encode_special_tokens` is set."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    directory = Tokenizer.load(tokenizer_dir).directory  # validates the directory first
-    return HFTokenizer.from_file(str(directory / HF_FILE))

@@ -1,0 +1,212 @@
+"""What one rank writes, reads and holds for a checkpoint as the world size grows (gloo on CPU).
+
+The headline run saves from 8-16 GPUs; a checkpoint's cost must fall as 1/W per rank. For each W
+this spawns W real gloo processes that build the model as a worker does (a real GPT and MuonAdamW,
+one optimizer step taken so the state is populated), save through the worker's path
+(raychat.run.checkpointing.state_pieces -> CheckpointSaver: each rank writes what it owns, no
+gather), then resume at the same W through it (Restore -> read_share -> apply_share) and check the
+state came back bit for bit. It prints one JSON object per W:
+
+  checkpoint_bytes              the files of the checkpoint directory
+  written_bytes_max_rank        the largest share one rank wrote
+  read_bytes_total / _max_rank  bytes read on resume, all ranks / the worst rank
+  driver_read_bytes             what the driver's pre-flight check reads (manifest, meta: no tensors)
+  save_stall_s                  the longest a rank's training thread waited for its save
+  step_s                        one training step of the same model, for the stall / step ratio
+  peak_rss_delta_save_max_rank  extra host memory of the worst rank during the save, over its
+                                peak after the training step (ru_maxrss, KiB resolution)
+  bitwise                       every rank's model and optimizer state equal after the resume
+
+Bytes are the checkpoint layer's own counters (raychat.checkpoint.shardfile.io_count: every byte
+a rank file writes or a verified read returns), plus the storage layer's reads for the driver.
+The targets (issue 19) are checked and printed beside the numbers: per-rank writes and reads
+<= 1.5 x checkpoint / W + the model's share; resume total <= 1.1 x checkpoint; driver <= 1 MB.
+
+    python -m bench.checkpoint_scale --workers 1,2,4 --depth 6 --json
+"""
+
+import argparse
+import json
+import resource
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from raychat.checkpoint.format import damage, latest_valid_checkpoint, read_meta
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.resume import Restore
+from raychat.checkpoint.saver import CheckpointSaver
+from raychat.checkpoint.shardfile import io_count
+from raychat.common import run_cli
+from raychat.model.gpt import build_model, gpt_config
+from raychat.optim.muon_adamw import build_optimizer
+from raychat.run.checkpointing import apply_share, read_share, state_pieces
+from raychat.storage import Storage
+
+VOCAB, SEQ, ROWS, STEP = 8192, 256, 4, 1
+MB_FIELDS = ("checkpoint_bytes", "written_bytes_max_rank", "read_bytes_max_rank", "read_bytes_total",
+             "peak_rss_delta_save_max_rank")
+
+
+def _build(depth: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = build_model(gpt_config(depth=depth, aspect_ratio=64, head_dim=64, max_seq_len=SEQ,
+                                   vocab_size=VOCAB, window_pattern="L"), "cpu")
+    optimizer = build_optimizer(model, embedding_lr=0.3, unembedding_lr=0.008, matrix_lr=0.02,
+                                scalar_lr=0.5, weight_decay=0.2)
+    return model, optimizer
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: int, rank: int) -> float:
+    """One step on this rank's rows (the optimizer reduces the gradients over the group)."""
+    t0 = time.perf_counter()
+    tokens = torch.randint(0, VOCAB, (ROWS * world, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    mine = tokens[rank * ROWS:(rank + 1) * ROWS]
+    model(mine[:, :-1], mine[:, 1:]).backward()
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def _states_equal(a: tuple, b: tuple, world: int, rank: int) -> bool:
+    """The model and this rank's optimizer pieces and plain data, bit for bit."""
+    (pieces_a, plain_a), (pieces_b, plain_b) = state_pieces(*a, world, rank), state_pieces(*b, world, rank)
+    same_pieces = len(pieces_a) == len(pieces_b) and all(
+        p.name == q.name and p.start == q.start and torch.equal(p.tensor, q.tensor)
+        for p, q in zip(pieces_a, pieces_b, strict=True))
+    models = zip(a[0].state_dict().values(), b[0].state_dict().values(), strict=True)
+    return plain_a == plain_b and same_pieces and all(torch.equal(x, y) for x, y in models)
+
+
+def _rank(rank: int, world: int, depth: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    tmp_dir = Path(tmp)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_dir / 'store'}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=600))
+
+    def gather(obj):
+        if world == 1:
+            return [obj]
+        out = [None] * world
+        dist.all_gather_object(out, obj)
+        return out
+
+    run = Storage(str(tmp_dir / "run"))
+    model, optimizer = _build(depth)
+    step_s = _train_step(model, optimizer, world, rank)
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    saver = CheckpointSaver(run, keep=0, rank=rank, world_size=world, log=lambda _: None)
+    saver.prepare(STEP)
+    token = gather(f"bench-{time.time()}")[0]
+    written0 = io_count.written
+    t0 = time.perf_counter()
+    pieces, plain = state_pieces(model, optimizer, world, rank)
+    meta = CheckpointMeta(step=STEP, model_config={}, world_size=world) if rank == 0 else None
+    saver.save(STEP, pieces, token, meta, extra=plain)
+    stall = time.perf_counter() - t0
+    saver.close()
+    written = io_count.written - written0
+    peak_delta = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before
+    gather(None)  # every rank's part, and rank 0's manifest, are written
+
+    read0 = io_count.read
+    resumed = _build(depth)
+    names = gather([latest_valid_checkpoint(run).name] if rank == 0 else None)[0]
+    restore = Restore(run, names, gather, lambda _: None)
+    share = restore.load(lambda reader: read_share(reader, resumed[0], resumed[1], world, rank))
+    apply_share(share, resumed[0], resumed[1], world, torch.device("cpu"))
+    read = io_count.read - read0
+    bitwise = _states_equal((model, optimizer), resumed, world, rank)
+    result = {"rank": rank, "written": written, "read": read, "stall_s": stall, "step_s": step_s,
+              "peak_rss_delta_kib": peak_delta, "bitwise": bitwise}
+    (tmp_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def driver_check_bytes(checkpoint: Storage) -> int:
+    """Bytes the driver's pre-flight reads: the manifest and sizes (damage) and meta.json."""
+    read0 = _storage_reads()
+    damage(checkpoint, deep=False)
+    read_meta(checkpoint)
+    return _storage_reads() - read0
+
+
+def _storage_reads() -> int:
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["rchar"])
+
+
+def measure(world: int, depth: int) -> dict:
+    tmp = tempfile.mkdtemp(prefix="raychat-ckpt-scale-")
+    try:
+        if world == 1:
+            _rank(0, 1, depth, tmp)
+        else:
+            mp.spawn(_rank, args=(world, depth, tmp), nprocs=world, join=True)
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
+        directory = Storage(str(Path(tmp) / "run")).child("checkpoint_000001")
+        size = sum(f.stat().st_size for f in Path(directory.root).iterdir())
+        model_bytes = sum(t.numel() * t.element_size() for t in _build(depth)[0].state_dict().values())
+        return {
+            "workers": world, "depth": depth, "checkpoint_bytes": size,
+            "written_bytes_max_rank": max(r["written"] for r in ranks),
+            "read_bytes_total": sum(r["read"] for r in ranks),
+            "read_bytes_max_rank": max(r["read"] for r in ranks),
+            "driver_read_bytes": driver_check_bytes(directory),
+            "save_stall_s": round(max(r["stall_s"] for r in ranks), 4),
+            "step_s": round(max(r["step_s"] for r in ranks), 4),
+            "peak_rss_delta_save_max_rank": 1024 * max(r["peak_rss_delta_kib"] for r in ranks),
+            "bitwise": all(r["bitwise"] for r in ranks),
+            "model_share_bytes": model_bytes // world,
+        }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def targets(r: dict) -> dict[str, bool]:
+    """Issue 19's targets for one row."""
+    per_rank = 1.5 * r["checkpoint_bytes"] / r["workers"] + r["model_share_bytes"]
+    return {"written_per_rank": r["written_bytes_max_rank"] <= per_rank,
+            "read_per_rank": r["read_bytes_max_rank"] <= per_rank,
+            "read_total": r["read_bytes_total"] <= 1.1 * r["checkpoint_bytes"],
+            "driver": r["driver_read_bytes"] <= 1_000_000,
+            "stall_under_a_step": r["save_stall_s"] <= r["step_s"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.checkpoint_scale",
+        description="Bytes each rank writes and reads for a sharded checkpoint, the driver's check, the "
+                    "save stall and host memory, at several world sizes (gloo processes on this CPU).")
+    parser.add_argument("--workers", default="1,2,4", help="comma-separated world sizes (default 1,2,4)")
+    parser.add_argument("--depth", type=int, default=6, help="model depth (width 64 x depth; default 6)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per world size only")
+    args = parser.parse_args(argv)
+    for world in [int(w) for w in args.workers.split(",")]:
+        row = measure(world, args.depth)
+        row["targets_met"] = targets(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            ok = ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in row["targets_met"].items())
+            mb = {k: row[k] / 1e6 for k in MB_FIELDS}
+            print(f"W={world}: checkpoint {mb['checkpoint_bytes']:.1f} MB, max rank wrote "
+                  f"{mb['written_bytes_max_rank']:.1f} MB and read {mb['read_bytes_max_rank']:.1f} MB, all "
+                  f"ranks read {mb['read_bytes_total']:.1f} MB, driver {row['driver_read_bytes']:,} B, stall "
+                  f"{row['save_stall_s']:.3f}s vs step {row['step_s']:.3f}s, save RSS "
+                  f"+{mb['peak_rss_delta_save_max_rank']:.1f} MB, bitwise {row['bitwise']}; {ok}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,138 @@
+"""The corpus's files wherever they live: a local directory or a bucket (`s3://`, `gs://`, `abfs://`,
+query parameters such as `endpoint_override` kept), always through `pyarrow.fs` (raychat.storage).
+
+On a cluster the corpus sits in one bucket that every node reads by range: a read fetches the
+shard's footer and then only the column chunk of its row group, never the whole shard. The footer is
+also the shard's fingerprint (a hash of its bytes, with the file size): the driver records the
+fingerprints of all shards once (the corpus identity), every read checks its shard against them, so
+a shard replaced under a running job or a node-local copy that differs is named in one line instead
+of silently feeding other documents. A read that fails is retried with backoff (READ_ATTEMPTS in
+all), then fails in one line naming the object.
+"""
+
+import functools
+import hashlib
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raychat.common import RaychatError
+from raychat.storage import Storage, join_uri
+
+TAIL_BYTES = 64 * 1024    # one range request fetches the footer of a shard of ClimbMix's layout
+READ_ATTEMPTS = 4         # a remote read is tried this often, waiting 0.5, 1, 2 s in between
+RETRY_BASE_S = 0.5
+CHECK_HINT = "check it with `python -m raychat.corpus check --deep DATA_DIR`"
+
+
+@functools.lru_cache(maxsize=16)
+def corpus_storage(location: str) -> Storage:
+    """The corpus directory's Storage, one per location and process (a read task reuses its S3 client)."""
+    return Storage(location)
+
+
+def object_uri(location: str, path: str) -> str:
+    """What a message names: the shard's URI (or local path), without the location's ?query (which
+    configures the filesystem and may carry credentials)."""
+    return join_uri(location.split("?", 1)[0], path.rsplit("/", 1)[-1])
+
+
+@dataclass(frozen=True)
+class Footer:
+    """A shard's parquet footer as read from its tail, and what identifies the shard."""
+    metadata: pq.FileMetaData
+    size: int
+    fingerprint: str   # sha256 of the footer's bytes (row group offsets and sizes, schema), 16 hex digits
+
+
+def _parse_tail(tail: bytes, size: int, uri: str) -> tuple[int, bytes] | None:
+    """(footer length, footer bytes) from the file's last bytes; None when the tail is too short."""
+    if size < 12 or tail[-4:] != b"PAR1":
+        raise RaychatError(f"{uri} is not a readable parquet file (no PAR1 magic at its end): delete it and "
+                           "re-create it (`python -m raychat.corpus download` re-fetches missing shards)")
+    (length,) = struct.unpack("<I", tail[-8:-4])
+    if length + 12 > size:
+        raise RaychatError(f"{uri} is not a readable parquet file (its footer is longer than the file: "
+                           "truncated): delete it and re-create it")
+    if length + 8 > len(tail):
+        return None
+    return length, tail[-8 - length:-8]
+
+
+def read_footer(fs: pafs.FileSystem, path: str, uri: str) -> Footer:
+    """The footer of one shard in one range request (two for a footer over TAIL_BYTES)."""
+    with fs.open_input_file(path) as f:
+        return footer_of(f, uri)
+
+
+def footer_of(f: pa.NativeFile, uri: str) -> Footer:
+    """The footer of an open shard, from its tail."""
+    size = f.size()
+    tail = f.read_at(min(size, TAIL_BYTES), max(0, size - TAIL_BYTES))
+    parsed = _parse_tail(tail, size, uri)
+    if parsed is None:
+        (length,) = struct.unpack("<I", tail[-8:-4])
+        tail = f.read_at(length + 8, size - length - 8)
+        parsed = _parse_tail(tail, size, uri)
+    length, footer = parsed
+    # The footer alone, framed as a file: pyarrow parses it without another request.
+    framed = b"PAR1" + footer + struct.pack("<I", length) + b"PAR1"
+    try:
+        metadata = pq.read_metadata(pa.BufferReader(framed))
+    except (pa.ArrowException, OSError) as e:
+        raise RaychatError(f"{uri} is not a readable parquet file ({' '.join(str(e).split())}): delete it "
+                           "and re-create it (`python -m raychat.corpus download` re-fetches missing shards)"
+                           ) from e
+    return Footer(metadata, size, hashlib.sha256(footer).hexdigest()[:16])
+
+
+def _reason(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300] or type(error).__name__
+
+
+def read_row_group(location: str, path: str, row_group: int, rows: Sequence[int] | None = None,
+                   fingerprint: str = "") -> pa.ChunkedArray:
+    """The `text` column of one row group (or `rows` of it), by range reads: the footer, then the
+    row group's column chunk. Retried with backoff; then one RaychatError naming the object. A shard
+    whose footer no longer matches `fingerprint` is refused at once (no retry can fix it)."""
+    uri = object_uri(location, path)
+    fs = corpus_storage(location).fs
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            with fs.open_input_file(path) as f:
+                footer = footer_of(f, uri)
+                if fingerprint and footer.fingerprint != fingerprint:
+                    raise RaychatError(f"{uri} changed since the corpus was indexed (footer fingerprint "
+                                       f"{footer.fingerprint}, expected {fingerprint}): a shard must not "
+                                       "change under a run; restore it, or start a new run (--run-name) on "
+                                       "the new corpus")
+                parquet = pq.ParquetFile(f, metadata=footer.metadata)
+                table = parquet.read_row_group(row_group, columns=["text"])
+            column = table.column(0)
+            if rows is not None:
+                column = column.take(pa.array(rows, type=pa.int64()))
+            return column
+        except RaychatError:
+            raise
+        except (OSError, pa.ArrowException) as e:
+            if attempt + 1 == READ_ATTEMPTS:
+                raise RaychatError(f"{uri}: row group {row_group} cannot be read after {READ_ATTEMPTS} tries "
+                                   f"({_reason(e)}); {CHECK_HINT.replace('DATA_DIR', location)}") from e
+            time.sleep(RETRY_BASE_S * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+
+def list_shard_files(storage: Storage, pattern) -> list[tuple[int, pafs.FileInfo]]:
+    """(shard number, file info) of every file whose name matches `pattern`, in shard order."""
+    shards = []
+    for info in storage.entries():
+        match = pattern.match(info.base_name)
+        if match and info.type == pafs.FileType.File:
+            shards.append((int(match.group(1)), info))
+    shards.sort(key=lambda s: s[0])
+    return shards

@@ -1,0 +1,43 @@
+"""The run's fixed validation rows, read and packed in one pass in the rank's own process.
+
+Validation needs a few thousand rows once per attempt, not a stream: going through Ray Data (one
+small dataset after another, each with its start-up) cost ~100 s per attempt on a 2-node cluster
+for 1,200 validation documents. Here the rank reads the val split's row groups itself (range reads,
+the same as a read task's), tokenizes each on all its cores and packs as it goes, stopping when the
+rows are full. The rows are those `raychat.data.loader.val_loader(index, ..., rank=0, world_size=1)`
+yields, bit for bit: the same documents in the same order into the same best-fit packer.
+"""
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from raychat.common import RaychatError
+from raychat.corpus.index import CorpusIndex, read_unit_texts
+from raychat.data.packer import BestFitPacker
+from raychat.tokenizer.core import Tokenizer
+
+DocId = tuple[int, int, int]
+
+
+def _val_documents(index: CorpusIndex, tokenizer: Tokenizer) -> Iterator[tuple[DocId, np.ndarray]]:
+    """((pass, unit, row), tokens) of the val split, BOS first, pass after pass (as val_loader reads it)."""
+    if not index.num_val_docs:
+        raise RaychatError(f"the validation split of {index.data_dir} is empty: add a non-empty last shard")
+    passes = 0
+    while True:
+        passes += 1
+        for unit in index.val:
+            texts = read_unit_texts(unit, location=index.data_dir)
+            for row, ids in enumerate(tokenizer.encode_batch(texts, prepend_bos=True)):
+                yield (passes, unit.index, row), np.asarray(ids, dtype=np.int32)
+
+
+def pack_validation_rows(index: CorpusIndex, tokenizer_dir: str, seq_len: int, num_rows: int,
+                         buffer_size: int = 1000) -> np.ndarray:
+    """The first `num_rows` packed val rows of seq_len + 1 tokens (int64), as one worker packs them."""
+    documents = _val_documents(index, Tokenizer.load(tokenizer_dir))
+    rows = np.empty((num_rows, seq_len + 1), dtype=np.int64)
+    BestFitPacker(seq_len + 1, buffer_size).fill(rows, lambda: next(documents))
+    documents.close()
+    return rows

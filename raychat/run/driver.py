@@ -1,0 +1,348 @@
+"""The driver of one raychat run, shared by `python -m raychat.train` and every `tune.sweep` trial.
+
+A run goes through the same four stages whoever drives it:
+  prepare_run  paths resolved into the config once; precision, compile, storage, corpus (its index
+               built once, from the shards' footers), tokenizer, eval bundle, the plan and the
+               checkpoint to resume from, all checked before any worker starts
+  connect_ray  join the cluster (RAY_ADDRESS, `ray job submit`) or start a local Ray instance
+  fit_run      the TorchTrainer, with the stop note cleared before and read after; a user error
+               raised inside a worker comes back as its own one line
+  summary      what the run reached (min val bpb, steps, tokens, time, restarts, memory, checkpoint)
+The workers get the resolved config, the plan and corpus index computed here, the run's session and
+the checkpoint to resume from: nothing they would have to resolve again differently.
+"""
+
+import dataclasses
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import ray
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.resume import driver_choice
+from raychat.checkpoint.stop_note import clear_stop_note, read_stop_note
+from raychat.common import RaychatError, default_data_dir, default_storage_path, default_tokenizer_dir
+from raychat.config import TrainConfig
+from raychat.corpus.check import summarize
+from raychat.corpus.default import prepare_default_corpus
+from raychat.corpus.index import CorpusIndex, check_checkpoint_corpus
+from raychat.data.loader import check_cursor_fits
+from raychat.model.compile_check import check_compile
+from raychat.model.precision import check_precision
+from raychat.run.console import install_driver_printer, plain_when_redirected
+from raychat.run.core_metric import check_eval_bundle
+from raychat.run.elastic import FreshClusterView, PlannedResizeSave, final_metrics, start_coordinator
+from raychat.run.lease import RunLease
+from raychat.run.loop import train_loop_per_worker
+from raychat.run.quiet import VERBOSE_ENV, quiet_ray
+from raychat.run.runtime_env import worker_runtime_env
+from raychat.scaling import Plan, resolve_plan
+from raychat.storage import Storage, is_uri, normalize_location, redact
+from raychat.tokenizer.core import Tokenizer, check_vocab
+from raychat.tokenizer.train import train_tokenizer
+
+Log = Callable[[str], None]
+
+# After a node loss Ray may size the restart from a view of the cluster that still has the node,
+# then wait this long for it before retrying at the size that fits (Ray's default is 60 s). Read by
+# the Train controller, to which the driver forwards RAY_TRAIN_* (bench/RESULTS.md, "Recovery").
+ELASTIC_START_TIMEOUT_S = "5"
+
+
+@dataclass
+class PreparedRun:
+    """A run that passed every check the driver can make: what `fit_run` and the workers need."""
+
+    cfg: TrainConfig  # data_dir, tokenizer_dir and storage_path absolute (or URIs)
+    plan: Plan  # at the largest world size of the range
+    tokenizer: Tokenizer
+    index: CorpusIndex  # every shard's footer, read once here: the workers never list the corpus
+    resume_from: Storage | None = None  # the checkpoint the driver chose (hashes verified)
+    resume_meta: CheckpointMeta | None = None  # its metadata
+    compile_checked: bool = False  # torch.compile already probed on the workers' device type
+    session: str = field(default_factory=lambda: uuid.uuid4().hex)  # this driver's run, new each time
+
+    @property
+    def finished(self) -> bool:
+        """The checkpoint resumed from is at the end of the plan: nothing is left to train."""
+        return self.resume_meta is not None and self.resume_meta.step == self.plan.num_iterations
+
+    @property
+    def run_dir(self) -> Storage:
+        """`<storage_path>/<run name>`: the run's checkpoints, stop note and metrics."""
+        return Storage(self.cfg.storage_path).child(self.cfg.name)
+
+
+def resolve_paths(cfg: TrainConfig) -> TrainConfig:
+    """The config with its defaults filled in and its paths made absolute, once, here: the workers,
+    trials and checkpoints all read the same directories whatever their working directory."""
+    return dataclasses.replace(
+        cfg,
+        data_dir=normalize_location(cfg.data_dir or str(default_data_dir())),  # a path or a bucket URI
+        tokenizer_dir=str(Path(cfg.tokenizer_dir or default_tokenizer_dir()).expanduser().resolve()),
+        storage_path=normalize_location(cfg.storage_path or str(default_storage_path())),
+    )
+
+
+def prepare_inputs(cfg: TrainConfig, log: Log = print) -> tuple[Tokenizer, CorpusIndex]:
+    """Corpus and tokenizer ready and valid (a local corpus and the tokenizer prepared when their
+    directories are empty), with the corpus index, or a one-line error. `cfg` has resolved paths."""
+    if not is_uri(cfg.data_dir) and not any(Path(cfg.data_dir).glob("shard_*.parquet")):
+        log(f"No corpus in {cfg.data_dir}: preparing one")
+        prepare_default_corpus(cfg.data_dir, log=log)
+    index = CorpusIndex.load(cfg.data_dir)
+    log(f"Corpus: {summarize(index)}")
+    tok_dir = Path(cfg.tokenizer_dir)
+    if tok_dir.exists() and any(tok_dir.iterdir()):
+        return Tokenizer.load(tok_dir), index
+    log(f"No tokenizer in {tok_dir}: training one (vocab {cfg.vocab_size:,}) on {redact(cfg.data_dir)}")
+    t0 = time.time()
+    tokenizer = train_tokenizer(cfg.data_dir, tok_dir, vocab_size=cfg.vocab_size, log=log)
+    log(f"Tokenizer trained in {time.time() - t0:.1f}s")
+    return tokenizer, index
+
+
+def plan_run(cfg: TrainConfig, vocab_size: int) -> Plan:
+    """The plan at the largest world size; every size of an elastic range must work too."""
+    min_workers, max_workers = cfg.worker_range()
+    if min_workers != max_workers:
+        resolve_plan(cfg, vocab_size, world_size=min_workers)
+    return resolve_plan(cfg, vocab_size, world_size=max_workers)
+
+
+def choose_checkpoint(cfg: TrainConfig, tokenizer: Tokenizer, index: CorpusIndex, plan: Plan,
+                      log: Log = print) -> tuple[Storage, CheckpointMeta] | None:
+    """The checkpoint this run resumes from (hashes verified) and its metadata. It must fit this
+    tokenizer and lie within the plan's horizon: the flags of a rerun apply from its step on, but
+    a horizon already passed cannot be trained to."""
+    run_dir = Storage(cfg.storage_path).child(cfg.name)
+    latest = driver_choice(run_dir, cfg.resume_from_step, log=lambda m: log(f"warning: {m}"))
+    if latest is None:
+        return None
+    meta = read_meta(latest)
+    check_vocab(tokenizer, meta.vocab_size, meta.tokenizer_fingerprint, str(latest))
+    check_resume_fits(cfg, plan, index, meta, latest)
+    if meta.step > plan.num_iterations:
+        flag = "--" + plan.horizon_rule.replace("_", "-")
+        raise RaychatError(f"{latest} is at step {meta.step:,}, past this plan's horizon of "
+                           f"{plan.num_iterations:,} steps (set by {flag}): give a horizon beyond step "
+                           f"{meta.step:,}, --resume-from-step an earlier checkpoint, or a new --run-name")
+    log(f"Run {run_dir} exists: resuming from {latest.name} (step {meta.step})")
+    return latest, meta
+
+
+def check_resume_fits(cfg: TrainConfig, plan: Plan, index: CorpusIndex, meta: CheckpointMeta,
+                      checkpoint: Storage) -> None:
+    """What cannot change on resume, refused here in one line instead of a retried traceback in
+    every worker: the model's shape and vocabulary, and a corpus the saved cursor cannot continue
+    (other shards, or as many row groups in another order)."""
+    saved = meta.model_config
+    changed = [f"{key} {saved.get(key)} -> {value}" for key, value in dataclasses.asdict(plan.model).items()
+               if saved.get(key) != value]
+    if changed:
+        raise RaychatError(f"{checkpoint} holds another model than these flags build ({', '.join(changed)}): "
+                           "resume with the run's model flags (--depth, --aspect-ratio, --head-dim, "
+                           "--max-seq-len, --window-pattern, tokenizer) or start a new --run-name")
+    if meta.cursor is not None:
+        check_cursor_fits(meta.cursor, len(index.train), cfg.shuffle_seed if cfg.shuffle_seed >= 0 else None,
+                          redact(cfg.data_dir))
+    check_checkpoint_corpus(meta.corpus, index, str(checkpoint))
+
+
+def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:
+    """Every check the driver can make, cheapest first, before Ray is even started."""
+    check_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, cfg.gpus_per_worker)
+    compile_checked = check_compile(cfg.compile, cfg.gpus_per_worker)
+    cfg = resolve_paths(cfg)
+    Storage(cfg.storage_path).check_writable()
+    cfg = check_eval_bundle(cfg, log)
+    tokenizer, index = prepare_inputs(cfg, log)
+    plan = plan_run(cfg, tokenizer.vocab_size)
+    resume_from, resume_meta = choose_checkpoint(cfg, tokenizer, index, plan, log) or (None, None)
+    return PreparedRun(cfg=cfg, plan=plan, tokenizer=tokenizer, index=index, resume_from=resume_from,
+                       resume_meta=resume_meta, compile_checked=compile_checked)
+
+
+def connect_ray(cfg: TrainConfig) -> None:
+    """Join the cluster named by RAY_ADDRESS (set by `ray job submit`), else start a local one sized
+    for the run's workers. --verbose keeps Ray's own chatter, here and in the workers (raychat.run.quiet)."""
+    min_workers, max_workers = cfg.worker_range()
+    # Before the runtime env below is built: it forwards RAY_TRAIN_* and RAYCHAT_* to the workers.
+    if min_workers != max_workers:
+        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", ELASTIC_START_TIMEOUT_S)
+    if cfg.verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    plain_when_redirected()
+    quiet_ray(main_is_raychat=True)
+    if ray.is_initialized():
+        install_driver_printer()
+        return
+    # Workers are started by the cluster's raylets, not by this process: pass our settings along
+    # (never credentials: Ray shows the runtime env in its job list).
+    runtime_env = worker_runtime_env(os.environ)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env=runtime_env, log_to_driver=True)
+    else:
+        # Logical CPUs: one per worker plus room for Ray Data's read/tokenize tasks; threads are
+        # sized by the workers themselves.
+        cpus = max(os.cpu_count() or 1, max_workers) + 2
+        ray.init(num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
+                 runtime_env=runtime_env)
+    install_driver_printer()
+
+
+def scaling_config(cfg: TrainConfig) -> ScalingConfig:
+    """Workers, their resources and placement: GPUs per worker auto-detected from the cluster."""
+    min_workers, max_workers = cfg.worker_range()
+    gpus = cfg.gpus_per_worker
+    if gpus < 0:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    resources = {"CPU": cfg.cpus_per_worker if cfg.cpus_per_worker > 0 else 1.0}
+    if gpus > 0:
+        resources["GPU"] = gpus
+    return ScalingConfig(
+        num_workers=(min_workers, max_workers) if min_workers != max_workers else max_workers,
+        use_gpu=gpus > 0,
+        resources_per_worker=resources,
+        placement_strategy=cfg.placement_strategy,
+        elastic_resize_monitor_interval_s=cfg.resize_check_every,
+    )
+
+
+def ray_storage(location: str) -> dict:
+    """Ray Train's storage settings for `location`. Ray shows its run settings in the dashboard's
+    state API, so a URI with credentials reaches it as a filesystem object and a bare path."""
+    if redact(location) == location:
+        return {"storage_path": location}
+    filesystem, path = pafs.FileSystem.from_uri(location)
+    return {"storage_path": path, "storage_filesystem": filesystem}
+
+
+def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
+                  run_config_overrides: dict | None = None) -> TorchTrainer:
+    """The TorchTrainer of one run. Checkpoints carry `run.session`, so a restarted worker group
+    resumes from what this run wrote and a new run from the driver's choice; the run's coordinator
+    actor (raychat.run.elastic) is named after it."""
+    # The dashboard's Train view (runs, attempts, workers) needs Ray Train's state tracking, which
+    # is off by default in Ray 2.60 and read here, where the trainer is built.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
+    cfg = run.cfg
+    start_coordinator(run.session)
+    callbacks = list(callbacks or [])
+    if len(set(cfg.worker_range())) > 1:  # elastic
+        callbacks += [PlannedResizeSave(run.session), FreshClusterView()]
+    run_kwargs = dict(name=cfg.name, failure_config=FailureConfig(max_failures=cfg.max_failures),
+                      callbacks=callbacks, **ray_storage(cfg.storage_path))
+    run_kwargs.update(run_config_overrides or {})
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "train_config": cfg.to_dict(),
+            "plan": run.plan.to_json(),
+            "corpus_index": run.index,
+            "tokenizer_fingerprint": run.tokenizer.fingerprint,  # every rank must load this one
+            "session": run.session,
+            "resume_from": run.resume_from.name if run.resume_from is not None else None,
+            "compile_checked": run.compile_checked,
+        },
+        scaling_config=scaling_config(cfg),
+        run_config=RunConfig(**run_kwargs),
+    )
+
+
+def worker_error(error: BaseException) -> RaychatError | None:
+    """The RaychatError a worker raised, if that is what ended the run."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for failure in failures.values():
+        seen = failure
+        while seen is not None:
+            if isinstance(seen, RaychatError):
+                return seen
+            seen = seen.__cause__ or getattr(seen, "cause", None)
+        text = str(failure)
+        marker = "RaychatError: "
+        if marker in text:
+            return RaychatError(text.split(marker, 1)[1].strip().splitlines()[0])
+    return None
+
+
+def stopped_by_error(run: PreparedRun) -> RaychatError | None:
+    """The user error a worker of this run left in the stop note (raychat.run.loop), if any."""
+    note = read_stop_note(run.cfg.storage_path, run.cfg.name)
+    if note is not None and note.get("reason") == "error" and note.get("session") == run.session:
+        return RaychatError(note["message"])
+    return None
+
+
+def finished_metrics(run: PreparedRun, log: Log = print) -> dict:
+    """The final metrics of a run that already reached its horizon (from its last checkpoint):
+    re-running it trains nothing and rewrites no checkpoint."""
+    meta = run.resume_meta
+    log(f"Run {run.run_dir} already reached its horizon ({run.resume_from.name}, step {meta.step:,} of "
+        f"{run.plan.num_iterations:,}): nothing to train; raise the horizon to train on")
+    loop = meta.loop_state
+    return {"step": meta.step, "min_val_bpb": loop.get("min_val_bpb", float("nan")),
+            "tokens_so_far": meta.step * run.plan.total_batch_size,
+            "total_training_time": loop.get("total_training_time", 0.0),
+            "core_metric": loop.get("core_metric")}
+
+
+def fit_run(run: PreparedRun, callbacks: list | None = None) -> dict:
+    """Train the run to its end; its final metrics. A user error from a worker, or a NaN stop,
+    comes back as one RaychatError line."""
+    if run.finished:
+        return finished_metrics(run)
+    lease = RunLease(run.run_dir)
+    lease.acquire()
+    try:
+        trainer = build_trainer(run, callbacks=callbacks)
+        clear_stop_note(run.cfg.storage_path, run.cfg.name)
+        try:
+            result = trainer.fit()
+        except Exception as e:  # Ray wraps worker errors; surface a user error as its one line
+            user_error = stopped_by_error(run) or worker_error(e)
+            if user_error is not None:
+                raise user_error from None
+            raise
+    finally:
+        lease.release()
+    user_error = stopped_by_error(run)
+    if user_error is not None:
+        raise user_error
+    stop = read_stop_note(run.cfg.storage_path, run.cfg.name)
+    if stop is not None:
+        raise RaychatError(f"loss or weights became NaN/inf at step {stop['step']}: training stopped; the "
+                           f"last good checkpoint is kept in {run.run_dir} (lower the learning rates or "
+                           "check the data, then re-run to resume)")
+    return final_metrics(run.session) or result.metrics or {}
+
+
+def summary_lines(run: PreparedRun, metrics: dict, wall_seconds: float) -> list[str]:
+    """The end-of-run summary the CLI prints."""
+    lines = [
+        "Training done.",
+        f"  min val bpb     : {metrics.get('min_val_bpb', float('nan')):.6f}",
+        f"  steps           : {metrics.get('step', 0):,}",
+        f"  tokens trained  : {metrics.get('tokens_so_far', 0):,}",
+        f"  training time   : {metrics.get('total_training_time', 0.0) / 60:.2f}m "
+        f"(wall {wall_seconds / 60:.2f}m)",
+    ]
+    if metrics.get("core_metric") is not None:
+        lines.append(f"  CORE metric     : {metrics['core_metric']:.4f}")
+    if metrics.get("restarts") or metrics.get("resizes"):
+        lines.append(f"  restarts        : {metrics.get('restarts', 0)} ({metrics.get('redone_steps', 0)} "
+                     f"steps redone), planned resizes: {metrics.get('resizes', 0)}")
+    if metrics.get("peak_memory_mib"):
+        lines.append(f"  peak memory     : {metrics['peak_memory_mib']:,.0f} MiB (rank 0)")
+    final = latest_valid_checkpoint(run.run_dir, deep=False)
+    if final is not None:
+        lines.append(f"  checkpoint      : {final}")
+    return lines

@@ -1,0 +1,137 @@
+"""The run's metrics log: `<storage>/<run>/metrics.jsonl`, one JSON object per line, in the run's own
+directory (local disk or a bucket), so the run's numbers outlive the terminal and Ray's session and
+`python -m raychat.report` can draw them while the run goes on or long after it ended.
+
+Rank 0 writes it as it goes: an attempt's start (step, world size, plan, restart counts), every
+step's record (raychat.run.metrics.StepMetrics), every eval, the samples and every report to Ray
+Train. A restarted attempt redoes the steps after its checkpoint and appends them again; the
+reader keeps the final timeline: at each start at step s, what earlier attempts wrote for steps
+from s on is dropped (evals and samples at s itself are kept unless redone).
+
+Local files are appended to (a line per record, readable at once); object stores cannot append,
+so there the whole file is rewritten (read once at the attempt's start), at most every
+REMOTE_FLUSH_S seconds for steps and at once for every other record. A failed write never stops
+training: it is retried with the next flush.
+"""
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from raychat.storage import Storage
+
+METRICS_FILE = "metrics.jsonl"
+REMOTE_FLUSH_S = 30.0
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no inf/nan: write them as null (min_val_bpb is inf before the first eval)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+class MetricsLog:
+    """Appends records to one run's metrics.jsonl (create on rank 0 only)."""
+
+    def __init__(self, run: Storage):
+        self._run = run
+        self._pending: list[str] = []
+        self._last_flush = time.monotonic()
+        self._warned = False
+        existing = run.read_bytes(METRICS_FILE) if run.exists(METRICS_FILE) else b""
+        # A killed attempt may have left half a line: start ours on a line of its own.
+        self._needs_newline = bool(existing) and not existing.endswith(b"\n")
+        self._content = existing if not run.is_local else b""  # object stores: the file as written
+
+    def write(self, kind: str, **fields: Any) -> None:
+        self._pending.append(json.dumps(_clean({"kind": kind, "time": time.time(), **fields})))
+        if self._run.is_local or kind != "step" or time.monotonic() - self._last_flush >= REMOTE_FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        data = ("\n" if self._needs_newline else "") + "".join(line + "\n" for line in self._pending)
+        try:
+            if self._run.is_local:
+                self._run.make_dir()
+                with self._run.fs.open_append_stream(self._run.path(METRICS_FILE)) as f:
+                    f.write(data.encode())
+            else:
+                self._run.write_bytes(METRICS_FILE, self._content + data.encode())
+                self._content += data.encode()
+        except (OSError, pa.ArrowException) as e:
+            if not self._warned:  # the checkpoints matter more than this log: say so once, train on
+                print(f"raychat: cannot write {self._run.location}/{METRICS_FILE} ({e}); will retry",
+                      file=sys.stderr, flush=True)
+                self._warned = True
+            return
+        self._pending, self._needs_newline, self._last_flush = [], False, time.monotonic()
+
+
+@dataclass
+class Timeline:
+    """A run's final timeline, as read from its metrics log."""
+
+    starts: list[dict[str, Any]] = field(default_factory=list)  # every attempt, in order
+    steps: list[dict[str, Any]] = field(default_factory=list)  # one per step, in step order
+    evals: list[dict[str, Any]] = field(default_factory=list)  # one per eval step, in step order
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def last_report(self) -> dict[str, Any]:
+        return self.reports[-1] if self.reports else {}
+
+
+def parse_records(text: str) -> list[dict[str, Any]]:
+    """The log's records in file order; a torn line (an attempt killed mid-write) is skipped."""
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "kind" in record:
+            records.append(record)
+    return records
+
+
+def final_timeline(records: list[dict[str, Any]]) -> Timeline:
+    """Replay the records: an attempt starting at step s supersedes what earlier attempts wrote from
+    step s on; a record for a step seen before replaces the earlier one."""
+    starts: list[dict[str, Any]] = []
+    by_kind: dict[str, dict[int, dict[str, Any]]] = {"step": {}, "eval": {}, "samples": {}, "report": {}}
+    last_time = None
+    for record in records:
+        kind = record["kind"]
+        if kind == "start":
+            s = record.get("step", 0)
+            starts.append({**record, "previous_time": last_time})  # when the attempt before wrote last
+            for k, by_step in by_kind.items():
+                # Steps from s on are redone; an eval, samples or report at s ran before step s and
+                # stays unless the new attempt does it again.
+                for step in [t for t in by_step if t > s or (k == "step" and t >= s)]:
+                    del by_step[step]
+        elif kind in by_kind and isinstance(record.get("step"), int):
+            by_kind[kind][record["step"]] = record
+        last_time = record.get("time", last_time)
+    ordered = {k: [v[s] for s in sorted(v)] for k, v in by_kind.items()}
+    return Timeline(starts, ordered["step"], ordered["eval"], ordered["samples"], ordered["report"])
+
+
+def read_timeline(run: Storage) -> Timeline | None:
+    """The final timeline of the run at `run`, or None when it has no metrics log (yet)."""
+    if not run.exists(METRICS_FILE):
+        return None
+    return final_timeline(parse_records(run.read_text(METRICS_FILE)))

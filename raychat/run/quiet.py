@@ -1,0 +1,70 @@
+"""Logs that are the run's: raychat's lines and real warnings and errors, without Ray's chatter.
+
+Silenced at the source, in each process that logs it: the driver (raychat.train.connect_ray) and
+every Ray worker process of the run as it starts (the Train controller, the Train workers, Ray Data's
+tasks: the runtime env's worker_process_setup_hook, raychat.run.runtime_env):
+  - Ray Train's "Reporting training result N: TrainingReport(...)" at every report (INFO, from
+    ray/train/v2/_internal/execution/context.py, whose logger is named by its file path);
+  - Ray Data's per-dataset lines on the console: "Starting execution of Dataset", "registers for
+    logging while another dataset ... is also logging", "Dataset ... execution finished in ..."
+    (INFO, logger "ray.data"; its file log, ray-data.log in the session's log directory, keeps them).
+Warnings Ray raises about its own internals, which raychat cannot fix, are filtered one by one, each
+naming the Ray code that raises it, so the filter can go when Ray fixes it.
+
+RAYCHAT_VERBOSE=1 (or `--verbose`, which sets it for the workers too) keeps all of it.
+
+RAYCHAT_STRICT_WARNINGS=1 turns every DeprecationWarning raised at a call in raychat's own code into
+an error, in the driver and in every worker process: a Ray API that Ray has deprecated (and a later Ray
+will remove) then fails the run at once, instead of warning in a log nobody reads (the test suite
+runs a tiny training so).
+"""
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+VERBOSE_ENV = "RAYCHAT_VERBOSE"
+STRICT_ENV = "RAYCHAT_STRICT_WARNINGS"
+
+# Messages of the Ray-internal warnings filtered here, each with the Ray code that raises it.
+RAY_INTERNAL_WARNINGS = [
+    # ray/train/_internal/data_config.py, DataConfig.default_ingest_options, passes
+    # ExecutionOptions(exclude_resources=...), whose setter warns (ray/data/_internal/execution/
+    # interfaces/execution_options.py): raised for every TorchTrainer with a Ray Data dataset.
+    r"`ExecutionOptions\.exclude_resources` is deprecated",
+    # ray/data/context.py, DataContext.__setattr__, warns while DataContext.__init__ sets its own
+    # deprecated defaults (use_push_based_shuffle): raised by the first use of Ray Data in a process.
+    r"`use_push_based_shuffle` is deprecated",
+]
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def _train_report_logger() -> logging.Logger:
+    """Ray Train's context logger: `logging.getLogger(__file__)` in its execution/context.py."""
+    import ray.train
+
+    return logging.getLogger(str(Path(ray.train.__file__).parent / "v2/_internal/execution/context.py"))
+
+
+def quiet_ray(main_is_raychat: bool = False) -> None:
+    """Silence Ray's chatter in this process (after Ray Data is imported: its import configures its
+    loggers); RAYCHAT_VERBOSE=1 leaves everything as Ray has it. `main_is_raychat`: this process
+    runs a raychat command as __main__ (the driver), whose calls count as raychat's own."""
+    import ray.data  # noqa: F401  (configures the "ray.data" logger; ours must come after)
+
+    if os.environ.get(STRICT_ENV, "") not in ("", "0"):
+        ours = r"raychat\.|__main__$" if main_is_raychat else r"raychat\."
+        warnings.filterwarnings("error", category=DeprecationWarning, module=ours)
+    if verbose():
+        return
+
+    for pattern in RAY_INTERNAL_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=DeprecationWarning)
+    _train_report_logger().setLevel(logging.WARNING)
+    for handler in logging.getLogger("ray.data").handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setLevel(logging.WARNING)  # the console; the session's ray-data.log keeps INFO

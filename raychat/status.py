@@ -1,0 +1,111 @@
+"""`python -m raychat.status --run-name R`: where a run stands, from Ray Train's state API (the run,
+its attempts and their world sizes, which Ray 2.60's dashboard keeps but shows on no page) and from
+the run's own storage (the latest complete checkpoint, the last step and eval of its metrics log).
+
+The state API is the dashboard's `/api/train/v2/runs/v1` (Ray Train's state tracking is on for
+raychat runs); it holds the runs of the cluster's current session, so a run of an earlier session is
+shown from its storage alone.
+"""
+
+import argparse
+import json
+import os
+import urllib.error
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from raychat.checkpoint.format import latest_valid_checkpoint
+from raychat.common import RaychatError, default_storage_path, run_cli
+from raychat.run.metrics_log import read_timeline
+from raychat.storage import Storage
+
+TRAIN_RUNS_API = "/api/train/v2/runs/v1"
+DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
+
+
+def auth_token() -> str | None:
+    """The cluster's token as the Ray CLI finds it: $RAY_AUTH_TOKEN, else ~/.ray/auth_token."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"]
+    path = Path("~/.ray/auth_token").expanduser()
+    return path.read_text().strip() if path.exists() else None
+
+
+def train_runs(address: str, token: str | None, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """Every Ray Train run the dashboard at `address` knows, or a RaychatError saying why not."""
+    request = urllib.request.Request(address.rstrip("/") + TRAIN_RUNS_API)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())["train_runs"]
+    except urllib.error.HTTPError as e:
+        denied = e.code in (401, 403)
+        hint = ("run `ray get-auth-token` where the cluster runs and set RAY_AUTH_TOKEN" if denied
+                else e.read().decode(errors="replace")[:200])
+        raise RaychatError(f"the dashboard at {address} refused the state API ({e.code}): {hint}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise RaychatError(f"no Ray dashboard at {address} ({e}); pass --address (through `ray dashboard` "
+                           "for a cluster) or use --storage-only") from None
+
+
+def _time(ns: int | None) -> str:
+    return "-" if not ns else datetime.fromtimestamp(ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def ray_lines(runs: list[dict[str, Any]], name: str) -> list[str]:
+    """The Ray Train runs named `name` (one per driver: a rerun of the name is a new Ray run)."""
+    mine = [r for r in runs if r.get("name") == name]
+    if not mine:
+        return [f"Ray Train: no run named {name!r} in this cluster's session"]
+    lines = []
+    for run in mine:
+        lines.append(f"Ray Train run {run['id']}: {run['status']} since {_time(run.get('start_time_ns'))}"
+                     + (f" ({run['status_detail']})" if run.get("status_detail") else ""))
+        for i, attempt in enumerate(run.get("attempts", []), 1):
+            lines.append(f"  attempt {i}: {attempt['status']}, {len(attempt.get('workers', []))} worker(s), "
+                         f"{_time(attempt.get('start_time_ns'))} - {_time(attempt.get('end_time_ns'))}")
+    return lines
+
+
+def storage_lines(run: Storage) -> list[str]:
+    checkpoint = latest_valid_checkpoint(run, deep=False)
+    lines = [f"Storage {run.location}: latest checkpoint {checkpoint.name if checkpoint else '(none yet)'}"]
+    timeline = read_timeline(run)
+    if timeline is None or not timeline.steps:
+        return lines + ["  no steps in the metrics log yet"]
+    last = timeline.steps[-1]
+    lines.append(f"  last step {last['step']}/{last['num_iterations']}: loss {last['loss']:.4f}, "
+                 f"{last['tokens_per_sec']:,.0f} tok/s, {last['world_size']} worker(s)")
+    if timeline.evals:
+        last_eval = timeline.evals[-1]
+        lines.append(f"  last eval at step {last_eval['step']}: val bpb {last_eval['val_bpb']:.4f}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m raychat.status",
+        description="Where a run stands: Ray Train's record of it (status, attempts, world sizes; from the "
+                    "dashboard's state API, which no dashboard page shows) and its storage (the latest "
+                    "checkpoint, the last step and eval). For the full picture: python -m raychat.report.",
+        epilog="example:\n  python -m raychat.status --run-name d4\n"
+               "On a cluster, keep `ray dashboard cluster/h100.yaml` open and export RAY_AUTH_TOKEN.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-name", required=True, help="the run's --run-name")
+    parser.add_argument("--storage-path", default="", help="the run's --storage-path (default: "
+                        "$RAYCHAT_HOME/runs)")
+    parser.add_argument("--address", default=DEFAULT_DASHBOARD,
+                        help=f"the Ray dashboard's URL (default {DEFAULT_DASHBOARD})")
+    parser.add_argument("--storage-only", action="store_true", help="skip Ray: no cluster is running")
+    args = parser.parse_args(argv)
+    run = Storage(args.storage_path or str(default_storage_path())).child(args.run_name)
+    lines = [] if args.storage_only else ray_lines(train_runs(args.address, auth_token()), args.run_name)
+    print("\n".join(lines + storage_lines(run)))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,192 @@
+"""The corpus in a bucket (moto's S3 server on 127.0.0.1): the corpus commands write and check it,
+reads fetch only their row group, a changed or missing shard is named in one line, and a 2-worker
+training run from the bucket trains on exactly what the same run from local disk trains on."""
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+from conftest import s3_uri
+from test_corpus import run_corpus_cli
+from test_train import (
+    STEP_LINE,
+    VAL_LINE,
+    final_model_state,
+    log_lines,
+    one_error_line,
+    run_train,
+    tiny_flags,
+)
+from trace_audit import read_trace
+
+from raychat.checkpoint.format import read_meta
+from raychat.common import RaychatError
+from raychat.corpus.files import TAIL_BYTES
+from raychat.corpus.fixture import synthetic_texts
+from raychat.corpus.index import CorpusIndex, confirm_identity, read_unit_texts
+from raychat.storage import Storage
+
+
+def _recorder(endpoint: str, action: str) -> str:
+    method = "GET" if action == "download-recording" else "POST"
+    request = urllib.request.Request(f"http://{endpoint}/moto-api/recorder/{action}", method=method)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read().decode()
+
+
+@contextmanager
+def recorded_requests(endpoint: str):
+    """The requests the S3 server answered meanwhile (moto's request recorder), filled in on exit."""
+    requests: list[dict] = []
+    _recorder(endpoint, "reset-recording")
+    _recorder(endpoint, "start-recording")
+    try:
+        yield requests
+    finally:
+        _recorder(endpoint, "stop-recording")
+        recording = _recorder(endpoint, "download-recording")
+        requests += [json.loads(line) for line in recording.splitlines() if line]
+
+
+def range_bytes(request: dict) -> int:
+    """Bytes a GET asked for by its Range header ('bytes=a-b'); a GET without one asked for everything."""
+    first, last = request["headers"]["Range"].split("=", 1)[1].split("-")
+    return int(last) - int(first) + 1
+
+
+def copy_to_bucket(local_dir, uri: str) -> Storage:
+    bucket = Storage(uri)
+    bucket.make_dir()
+    pafs.copy_files(str(local_dir), bucket.root, destination_filesystem=bucket.fs)
+    return bucket
+
+
+def test_corpus_commands_range_reads_and_damage_on_a_bucket(s3_endpoint):
+    uri = s3_uri(s3_endpoint, f"synthetic-{time.time_ns()}")
+    # One train shard of 3 row groups (1024 + 1024 + 452 documents) and a val shard of 500.
+    made = run_corpus_cli("synthetic", "--out", uri, "--docs", "3000", "--docs-per-shard", "3072",
+                          "--val-docs", "500")
+    assert made.returncode == 0, made.stderr
+    assert f"corpus {uri}: OK" in made.stdout and "documents:  3,000 (train 2,500, val 500)" in made.stdout
+    checked = run_corpus_cli("check", uri, "--deep")
+    assert checked.returncode == 0 and "MB of text" in checked.stdout, checked.stderr
+    refused = run_corpus_cli("download", "--shards", "1", "--data-dir", uri)   # local disk only, for now
+    assert refused.returncode == 2 and "aws s3 sync" in refused.stderr and not refused.stdout
+
+    index = CorpusIndex.load(uri)
+    shard = index.train[1]
+    assert (shard.shard, shard.row_group) == (0, 1)
+    with recorded_requests(s3_endpoint) as requests:
+        texts = read_unit_texts(shard, location=uri)
+    assert texts == synthetic_texts(3000)[1024:2048]
+    gets = [r for r in requests if r["method"] == "GET" and "shard_00000.parquet" in r["url"]]
+    assert gets and all("Range" in r["headers"] for r in gets), "a read fetched a whole shard"
+    # Exactly the footer's tail (64 KiB) and the middle row group's column chunk, nothing else.
+    bucket = Storage(uri)
+    metadata = pq.read_metadata(bucket.path("shard_00000.parquet"), filesystem=bucket.fs)
+    chunk = metadata.row_group(1).column(0).total_compressed_size
+    assert sum(map(range_bytes, gets)) == TAIL_BYTES + chunk < 0.6 * shard.size, (chunk, shard.size)
+
+    # A replaced shard: a rank's start-up check and every read name it, in one line.
+    bucket.write_bytes("shard_00001.parquet", bucket.read_bytes("shard_00000.parquet"))
+    with pytest.raises(RaychatError, match="shard_00001.parquet changed") as changed:
+        confirm_identity(index, "rank 1")
+    assert "rank 1 sees another corpus" in str(changed.value) and "\n" not in str(changed.value)
+    with pytest.raises(RaychatError, match=r"shard_00001\.parquet changed since the corpus was indexed"):
+        read_unit_texts(index.val[0], location=uri)
+    # A shard deleted under a reader: retried with backoff, then one line naming the object.
+    bucket.delete("shard_00000.parquet")
+    started = time.monotonic()
+    with pytest.raises(RaychatError) as missing:
+        read_unit_texts(shard, location=uri)
+    message = str(missing.value)
+    assert "shard_00000.parquet" in message and "after 4 tries" in message and "\n" not in message
+    assert 3 < time.monotonic() - started < 30
+
+
+@pytest.mark.ray
+def test_training_from_a_bucket_trains_what_local_disk_does_and_refuses_a_changed_shard(
+        ray_session, tiny_corpus, tmp_path, s3_endpoint):
+    data_dir, tokenizer_dir = tiny_corpus
+    uri = s3_uri(s3_endpoint, f"tiny-{time.time_ns()}")
+    bucket = copy_to_bucket(data_dir, uri)
+    storage = tmp_path / "runs"
+    flags = ["--num-workers", "2", "--total-batch-size", "1024", "--num-iterations", "12",
+             "--eval-every", "6", "--save-every", "6"]
+    runs = {}
+    for name, corpus in (("local", data_dir), ("bucket", uri)):
+        (tmp_path / name).mkdir()
+        train_flags = tiny_flags((corpus, tokenizer_dir), storage, name, *flags)
+        runs[name] = subprocess.Popen(
+            [sys.executable, "-m", "raychat.train", *train_flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=ray_session.driver_env(RAYCHAT_TRACE_DIR=str(tmp_path / name)))
+    outputs = {}
+    try:
+        for name, proc in runs.items():
+            outputs[name], _ = proc.communicate(timeout=600)
+            assert proc.returncode == 0, outputs[name][-3000:]
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+    losses = {name: [m.group(4) for m in log_lines(out, STEP_LINE)] for name, out in outputs.items()}
+    bpbs = {name: [float(m.group(2)) for m in log_lines(out, VAL_LINE)] for name, out in outputs.items()}
+    assert len(losses["bucket"]) == 12 and losses["bucket"] == losses["local"]
+    assert bpbs["bucket"] == bpbs["local"] and bpbs["bucket"] == sorted(bpbs["bucket"], reverse=True), bpbs
+    assert len(set(bpbs["bucket"])) == 3  # it learns: validation bpb falls at steps 0, 6, 12
+    # The same documents, step by step, and the same weights at the end.
+    assert read_trace(tmp_path / "bucket") == read_trace(tmp_path / "local")
+    local_state = final_model_state(Storage(str(storage)).child("local"))
+    bucket_state = final_model_state(Storage(str(storage)).child("bucket"))
+    assert all((local_state[k] == bucket_state[k]).all() for k in local_state)
+    # The checkpoint names the corpus it was trained on; the URI's query (maybe credentials) is not kept.
+    corpus = read_meta(Storage(str(storage)).child("bucket", "checkpoint_000012")).corpus
+    assert corpus["identity"] == CorpusIndex.load(uri).identity() and corpus["location"] == uri.split("?")[0]
+    assert corpus["source"] == "custom"
+
+    # A shard replaced in the bucket since the checkpoint: the driver refuses to resume, in one line.
+    bucket.write_bytes("shard_00003.parquet", (data_dir / "shard_00004.parquet").read_bytes())
+    resumed = run_train(ray_session, tiny_flags((uri, tokenizer_dir), storage, "bucket", *flags[:4],
+                                                "--num-iterations", "18"))
+    line = one_error_line(resumed)
+    assert "shard_00003.parquet changed" in line and "checkpoint_000012" in line, line
+    assert not log_lines(resumed.stdout, STEP_LINE)
+
+
+@pytest.mark.ray
+def test_a_shard_deleted_mid_run_ends_the_run_in_one_line(ray_session, tiny_corpus, tmp_path, s3_endpoint):
+    data_dir, tokenizer_dir = tiny_corpus
+    uri = s3_uri(s3_endpoint, f"doomed-{time.time_ns()}")
+    bucket = copy_to_bucket(data_dir, uri)
+    index = CorpusIndex.load(uri)
+    last_train = f"shard_{index.train[-1].shard:05d}.parquet"
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    flags = ["--num-workers", "2", "--total-batch-size", "1024", "--num-iterations", "200",
+             "--eval-every", "-1", "--save-every", "-1", "--max-failures", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "raychat.train",
+                             *tiny_flags((uri, tokenizer_dir), tmp_path / "runs", "doomed", *flags)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ray_session.driver_env(RAYCHAT_TRACE_DIR=str(trace)))
+    try:
+        # Delete the epoch's last train shard once training runs: no rank has read that far yet.
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not any(
+                json.loads(line)["step"] >= 1 for path in trace.glob("*.jsonl")
+                for line in path.read_text().splitlines()):
+            time.sleep(0.2)
+        bucket.delete(last_train)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    line = one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    assert last_train in line and "after 4 tries" in line, line
+    assert len(log_lines(out, STEP_LINE)) < 200

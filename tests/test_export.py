@@ -1,0 +1,102 @@
+"""`python -m raychat.export --to nanochat`: the files nanochat's checkpoint_manager loads, with its names,
+shapes and dtypes; loaded back into a GPT built from the exported meta, the same logits; the tokenizer
+pickle encodes as raychat's tokenizer does."""
+
+import dataclasses
+import json
+import pickle
+
+import pytest
+import torch
+
+from raychat.checkpoint.format import checkpoint_dir_name
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.sharded import save_checkpoint
+from raychat.common import RaychatError
+from raychat.export import MODEL_CONFIG_KEYS, main, nanochat_keys
+from raychat.model.gpt import GPTConfig, build_model
+from raychat.storage import Storage
+from raychat.tokenizer.core import Tokenizer
+
+STEP = 7
+TEXTS = ["The capital of France is Paris.", "def f(x):\n    return x ** 2  # 12345", "ünïcödé and 東京"]
+
+
+@pytest.fixture
+def run(tiny_corpus, tmp_path):
+    """A checkpoint of a d3 model (value embeddings on layers 0 and 2) with trained-looking weights."""
+    tokenizer = Tokenizer.load(tiny_corpus[1])
+    config = GPTConfig(sequence_len=32, vocab_size=tokenizer.vocab_size, n_layer=3, n_head=2, n_kv_head=1,
+                       n_embd=64, window_pattern="SL")
+    torch.manual_seed(0)
+    model = build_model(config, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))  # no zero projections: every tensor shows in the logits
+    meta = CheckpointMeta(step=STEP, model_config=dataclasses.asdict(config), vocab_size=tokenizer.vocab_size,
+                          tokenizer_fingerprint=tokenizer.fingerprint, val_bpb=2.5,
+                          plan={"total_batch_size": 1024},
+                          user_config={"model_tag": "tiny", "device_batch_size": 4, "embedding_lr": 0.3})
+    storage = tmp_path / "runs"
+    directory = Storage(str(storage)).child("r", checkpoint_dir_name(STEP))
+    save_checkpoint(directory, model.state_dict(), None, meta.to_json())
+    return storage, tokenizer, config, model.state_dict()
+
+
+def export(storage, tokenizer, out, *extra: str) -> None:
+    assert main(["--run-name", "r", "--storage-path", str(storage), "--tokenizer-dir",
+                 str(tokenizer.directory), "--to", "nanochat", "--out", str(out), *extra]) == 0
+
+
+def logits(config: GPTConfig, state: dict, dtype: torch.dtype) -> torch.Tensor:
+    model = build_model(GPTConfig(**config) if isinstance(config, dict) else config, "cpu")
+    model.init_weights(dtype)  # the compute dtype
+    model.load_state_dict(state, strict=True)
+    idx = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model.eval()(idx)
+
+
+@pytest.mark.parametrize("embedding_dtype", ["bf16", "fp32"])
+def test_export_writes_nanochats_layout_and_loads_back_identically(run, tmp_path, embedding_dtype):
+    storage, tokenizer, config, state = run
+    out = tmp_path / "nanochat"
+    export(storage, tokenizer, out, "--embedding-dtype", embedding_dtype)
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == ["base_checkpoints/tiny/meta_000007.json", "base_checkpoints/tiny/model_000007.pt",
+                     "tokenizer/token_bytes.pt", "tokenizer/tokenizer.pkl"]
+    exported = torch.load(out / "base_checkpoints/tiny/model_000007.pt", weights_only=True)
+    assert set(exported) == nanochat_keys(config) == set(state)
+    assert "value_embeds.0.weight" in exported and "transformer.h.1.attn.ve_gate.weight" not in exported
+    embedding = torch.bfloat16 if embedding_dtype == "bf16" else torch.float32
+    for name, tensor in exported.items():
+        is_embedding = name == "transformer.wte.weight" or name.startswith("value_embeds.")
+        assert tensor.dtype == (embedding if is_embedding else torch.float32), name
+        assert tensor.shape == state[name].shape, name
+    meta = json.loads((out / "base_checkpoints/tiny/meta_000007.json").read_text())
+    assert tuple(meta["model_config"]) == MODEL_CONFIG_KEYS
+    assert meta["model_config"] == {key: getattr(config, key) for key in MODEL_CONFIG_KEYS}
+    sizes = (meta["step"], meta["max_seq_len"], meta["device_batch_size"], meta["total_batch_size"])
+    assert sizes == (7, 32, 4, 1024)
+    assert meta["user_config"]["embedding_lr"] == 0.3  # nanochat's chat_sft inherits it
+    # Built from the exported meta alone, the model computes exactly what the original computes: bitwise
+    # in fp32 from an fp32 export; in bf16 (where nanochat computes) from the bf16 one.
+    compute = torch.bfloat16 if embedding_dtype == "bf16" else torch.float32
+    assert torch.equal(logits(meta["model_config"], exported, compute), logits(config, state, compute))
+    if embedding_dtype == "fp32":
+        assert all(torch.equal(exported[name], state[name]) for name in state)
+
+
+def test_the_tokenizer_files_encode_as_raychats_tokenizer(run, tmp_path):
+    storage, tokenizer, _, _ = run
+    export(storage, tokenizer, tmp_path / "nanochat")
+    with open(tmp_path / "nanochat/tokenizer/tokenizer.pkl", "rb") as f:
+        encoding = pickle.load(f)  # our own file, as nanochat's RustBPETokenizer.from_directory reads it
+    assert encoding.n_vocab == tokenizer.vocab_size
+    assert encoding.encode_single_token("<|bos|>") == tokenizer.bos_id
+    for text in TEXTS:
+        assert encoding.encode_ordinary(text) == tokenizer.encode(text)
+    token_bytes = torch.load(tmp_path / "nanochat/tokenizer/token_bytes.pt", weights_only=True)
+    assert token_bytes.dtype == torch.int32 and torch.equal(token_bytes, tokenizer.token_bytes())
+    with pytest.raises(RaychatError, match="model_000007.pt exists"):
+        export(storage, tokenizer, tmp_path / "nanochat")

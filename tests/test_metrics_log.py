@@ -1,0 +1,71 @@
+"""The run's metrics log across restarts, on local disk and in a real S3 API (moto): what each
+attempt wrote, and the final timeline a reader gets from it."""
+
+import json
+
+import pytest
+
+from raychat.run.metrics_log import METRICS_FILE, MetricsLog, read_timeline
+from raychat.storage import Storage
+
+
+def attempt(run: Storage, start: int, stop: int, evals: list[int], tag: str) -> MetricsLog:
+    """One attempt of rank 0: its start record, steps start..stop-1 and evals before the given steps."""
+    log = MetricsLog(run)
+    log.write("start", step=start, world_size=2, tag=tag)
+    for step in range(start, stop):
+        if step in evals:
+            log.write("eval", step=step, val_bpb=3.0 - step / 100, tag=tag)
+        log.write("step", step=step, loss=4.0 - step / 100, tag=tag)
+    log.flush()
+    return log
+
+
+def test_restarted_attempts_leave_the_final_timeline(storage):
+    run = Storage(storage).child("r")
+    assert read_timeline(run) is None  # no log yet: the report says so
+    attempt(run, 0, 10, [0, 5], "first")  # checkpoint at 6, killed after step 9
+    if run.is_local:  # killed in the middle of a write: a torn last line
+        with open(run.path(METRICS_FILE), "a") as f:
+            f.write('{"kind": "step", "step": 10, "lo')
+    attempt(run, 6, 12, [10], "second")  # resumed from step 6, killed after 11
+    attempt(run, 12, 14, [], "third")
+    timeline = read_timeline(run)
+    assert [(r["step"], r["tag"]) for r in timeline.steps] == (
+        [(s, "first") for s in range(6)] + [(s, "second") for s in range(6, 12)]
+        + [(12, "third"), (13, "third")])
+    assert [(e["step"], e["tag"]) for e in timeline.evals] == [(0, "first"), (5, "first"), (10, "second")]
+    assert [s["tag"] for s in timeline.starts] == ["first", "second", "third"]
+    if run.is_local:  # the torn line was closed off: the next attempt's records are whole
+        lines = run.read_text(METRICS_FILE).splitlines()
+        assert sum(1 for line in lines if line.startswith('{"kind": "step", "step": 10, "lo')) == 1
+        assert json.loads(lines[-1])["tag"] == "third"
+
+
+def test_a_rerun_that_goes_back_drops_what_came_after(tmp_path):
+    """--resume-from-step 4 after a run that reached 10: steps and evals after 4 are the rerun's."""
+    run = Storage(str(tmp_path / "r"))
+    attempt(run, 0, 10, [0, 4, 8], "first")
+    attempt(run, 4, 6, [4], "rerun")
+    timeline = read_timeline(run)
+    assert [(r["step"], r["tag"]) for r in timeline.steps][-3:] == [(3, "first"), (4, "rerun"), (5, "rerun")]
+    assert [(e["step"], e["tag"]) for e in timeline.evals] == [(0, "first"), (4, "rerun")]
+
+
+def test_non_finite_numbers_are_written_as_null(tmp_path):
+    run = Storage(str(tmp_path / "r"))
+    log = MetricsLog(run)
+    log.write("report", step=0, min_val_bpb=float("inf"))
+    log.flush()
+    assert read_timeline(run).last_report["min_val_bpb"] is None
+
+
+@pytest.mark.parametrize("storage", ["s3"], indirect=True)
+def test_object_store_steps_are_batched(storage, monkeypatch):
+    """A bucket cannot append: step records wait for the next flush (every 30 s, or any other record)."""
+    run = Storage(storage).child("r")
+    log = MetricsLog(run)
+    log.write("step", step=0, loss=4.0)
+    assert not run.exists(METRICS_FILE)
+    log.write("eval", step=1, val_bpb=3.0)
+    assert [r["kind"] for r in map(json.loads, run.read_text(METRICS_FILE).splitlines())] == ["step", "eval"]

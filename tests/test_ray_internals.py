@@ -1,0 +1,65 @@
+"""The private Ray APIs raychat.run.ray_internals names are still where, and what, raychat expects.
+
+These fail with the installed Ray version in the message, so an upgrade that moves one says which.
+"""
+
+import importlib
+import inspect
+
+import pytest
+import ray
+
+NEEDED = f"raychat.run.ray_internals needs it; installed Ray {ray.__version__}"
+
+
+def _module(name: str) -> object:
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        pytest.fail(f"a private Ray import moved: {e} ({NEEDED})")
+
+
+def _require(obj: object, attribute: str, where: str) -> object:
+    if not hasattr(obj, attribute):
+        pytest.fail(f"{where} has no `{attribute}` ({NEEDED})")
+    return getattr(obj, attribute)
+
+
+def test_stdstream_dispatcher_has_the_handler_api():
+    dispatcher = _require(_module("raychat.run.ray_internals"), "STDSTREAM_DISPATCHER", "ray_internals")
+    for name in ("add_handler", "remove_handler", "handlers"):
+        _require(dispatcher, name, "ray._private.ray_logging.global_worker_stdstream_dispatcher")
+    assert isinstance(dispatcher.handlers, list), NEEDED
+
+
+def test_controller_callback_hooks_and_states_exist():
+    internals = _module("raychat.run.ray_internals")
+    ControllerCallback = internals.ControllerCallback
+    for hook in ("after_controller_state_update", "before_controller_execute_resize_decision"):
+        _require(ControllerCallback, hook, "ray.train.v2 ControllerCallback")
+    params = list(inspect.signature(ControllerCallback.after_controller_state_update).parameters)
+    assert params[1:] == ["previous_state", "current_state"], f"hook arguments are {params} ({NEEDED})"
+    for state in ("ReschedulingState", "ResizingState", "RestartingState"):
+        assert inspect.isclass(getattr(internals, state)), f"{state} is not a class ({NEEDED})"
+
+
+def test_train_context_carries_the_preemption_info():
+    context = _module("ray.train.v2._internal.execution.context")
+    preemption = _module("ray.train.v2._internal.execution.preemption")
+    assert callable(_module("raychat.run.ray_internals").get_train_context), NEEDED
+    fields = getattr(_require(context, "TrainContext", context.__name__), "__dataclass_fields__", {})
+    assert "preemption_context" in fields, f"TrainContext has no `preemption_context` ({NEEDED})"
+    PreemptionContext = _require(preemption, "PreemptionContext", preemption.__name__)
+    assert PreemptionContext().preemption_info is None, NEEDED
+
+
+def test_autoscaling_coordinator_can_be_asked_to_recompute():
+    module = _module("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator")
+    actor = _require(module, "_AutoscalingCoordinatorActor", module.__name__)
+    method = _require(actor, "get_reserved_resources", "_AutoscalingCoordinatorActor")
+    params = inspect.signature(method).parameters
+    assert "recompute" in params, f"get_reserved_resources takes no `recompute` ({NEEDED})"
+    source = inspect.getsource(module.get_or_create_autoscaling_coordinator)
+    name, namespace = _module("raychat.run.ray_internals").AUTOSCALING_COORDINATOR
+    assert f'name="{name}"' in source and f'namespace="{namespace}"' in source, (
+        f"the autoscaling coordinator actor is no longer named {name!r} in {namespace!r} ({NEEDED})")

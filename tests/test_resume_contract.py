@@ -1,0 +1,239 @@
+"""The resume contract, tried as an operator would: a rerun, a second driver, changed flags, a grown
+corpus either continue correctly or are refused in one line before any worker starts, and no
+checkpoint is lost to them."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_train import STEP_LINE, all_files, log_lines, one_error_line, run_train, tiny_flags
+
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.reader import CheckpointReader
+from raychat.checkpoint.resume import candidates
+from raychat.checkpoint.saver import CheckpointSaver
+from raychat.common import RaychatError
+from raychat.config import TrainConfig
+from raychat.corpus.writer import CorpusWriter
+from raychat.model.gpt import GPTConfig, build_model
+from raychat.model.precision import resolve_precision
+from raychat.optim.muon_adamw import build_optimizer
+from raychat.run.checkpointing import apply_share, read_share, state_pieces
+from raychat.run.driver import ray_storage
+from raychat.run.lease import LEASE_FILE, RunLease
+from raychat.storage import Storage, redact
+
+SECRET_URI = "s3://AKIDEXAMPLE:wJalrXUtnFEMI@bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http"
+
+
+def test_credentials_never_leave_the_uri():
+    assert redact(SECRET_URI) == "s3://***@bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http"
+    with_params = "s3://bucket/runs?access_key=AK&secret_key=SK&session_token=T&region=eu"
+    assert redact(with_params) == "s3://bucket/runs?access_key=***&secret_key=***&session_token=***&region=eu"
+    assert redact("/data/runs") == "/data/runs"
+    shown = TrainConfig(storage_path=SECRET_URI, data_dir=SECRET_URI).to_public_dict()
+    assert "wJalrXUtnFEMI" not in str(shown) and "AKIDEXAMPLE" not in str(shown)
+    # Ray Train is given a filesystem object and the bare path: its run settings show no secret.
+    settings = ray_storage(SECRET_URI)
+    assert settings["storage_path"] == "bucket/runs" and "storage_filesystem" in settings
+    assert ray_storage("/data/runs") == {"storage_path": "/data/runs"}
+
+
+def test_a_second_lease_is_refused_while_the_first_beats(tmp_path):
+    run = Storage(str(tmp_path / "run"))
+    first, second = RunLease(run, heartbeat_s=0.2), RunLease(run, heartbeat_s=0.2)
+    first.acquire(log=lambda _: None)
+    try:
+        with pytest.raises(RaychatError, match=r"being trained by another driver .*--run-name$"):
+            second.acquire(log=lambda _: None)
+    finally:
+        first.release()
+    second.acquire(log=lambda _: None)  # released: free at once
+    second.release()
+
+
+def test_a_killed_drivers_lease_is_taken_over(tmp_path):
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from raychat.storage import Storage; "
+         "from raychat.run.lease import RunLease; RunLease(Storage(sys.argv[1]), 0.2).acquire(); "
+         "print('held', flush=True); time.sleep(600)", str(run_dir)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RaychatError, match="another driver"):
+            RunLease(Storage(str(run_dir)), heartbeat_s=0.2).acquire(log=lambda _: None)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    said = []
+    lease = RunLease(Storage(str(run_dir)), heartbeat_s=0.2)
+    lease.acquire(log=said.append)  # no heartbeat for 3 beats: the holder is gone
+    lease.release()
+    assert any("stale" in line for line in said)
+
+
+def test_a_checkpoint_the_driver_chose_that_is_gone_is_an_error(tmp_path):
+    run = Storage(str(tmp_path / "run"))
+    assert candidates(run, "session", None) == []  # a fresh run
+    with pytest.raises(RaychatError, match="checkpoint_000005 .* is gone"):
+        candidates(run, "session", "checkpoint_000005")
+
+
+def _optimizer(lr_scale: float):
+    torch.manual_seed(0)
+    config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32,
+                       window_pattern="L")
+    cpu = torch.device("cpu")
+    model = build_model(config, cpu, resolve_precision("fp32", False, "tensorwise", cpu))
+    optimizer = build_optimizer(model, embedding_lr=0.3 * lr_scale, unembedding_lr=0.004 * lr_scale,
+                                matrix_lr=0.02 * lr_scale, scalar_lr=0.5 * lr_scale,
+                                weight_decay=0.1 * lr_scale)
+    return model, optimizer
+
+
+def test_resumed_optimizer_keeps_the_rates_it_was_built_with(tmp_path):
+    """The worker's resume path (its pieces saved, read back by read_share/apply_share): the moments
+    come back, the rates are the rerun's."""
+    model, optimizer = _optimizer(1.0)
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x).backward()
+    optimizer.step()
+    saver = CheckpointSaver(Storage(str(tmp_path)), keep=0, rank=0, world_size=1, log=lambda _: None)
+    pieces, plain = state_pieces(model, optimizer, 1, 0)
+    saver.save(1, pieces, "token", CheckpointMeta(step=1, model_config={}), extra=plain, wait=True)
+    saver.close()
+
+    lower_model, lower = _optimizer(0.1)  # the rerun after a NaN, with rates lowered tenfold
+    built = [{k: v for k, v in g.items() if k not in ("params", "names")} for g in lower.param_groups]
+    with CheckpointReader(tmp_path / "checkpoint_000001") as reader:
+        share = read_share(reader, lower_model, lower, 1, 0)
+    apply_share(share, lower_model, lower, 1, torch.device("cpu"))
+    assert [{k: v for k, v in g.items() if k not in ("params", "names")} for g in lower.param_groups] == built
+    saved = optimizer.state_dict()
+    assert built[0]["initial_lr"] != saved["param_groups"][0]["initial_lr"]
+    resumed = lower.state_dict()["state"]
+    assert resumed.keys() == saved["state"].keys()
+    for name, entry in saved["state"].items():  # the moments came back
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(resumed[name][key]), torch.as_tensor(value)), (name, key)
+
+
+@pytest.mark.ray
+def test_reruns_of_a_run_continue_or_are_refused_and_lose_nothing(ray_session, tiny_corpus, tmp_path):
+    storage = tmp_path / "storage"
+    base = ["--num-workers", "1", "--total-batch-size", "512", "--eval-every", "-1", "--save-every", "3"]
+    first = run_train(ray_session, tiny_flags(tiny_corpus, storage, "run", *base, "--num-iterations", "6"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = Storage(str(storage)).child("run")
+    before = all_files(run)
+
+    # A shorter horizon than the checkpoint's step: refused, nothing written.
+    line = one_error_line(run_train(ray_session, tiny_flags(tiny_corpus, storage, "run", *base,
+                                                            "--num-iterations", "4")))
+    assert "checkpoint_000006" in line and "past this plan's horizon of 4 steps" in line
+    assert all_files(run) == before
+
+    # The same horizon again: nothing to train, no checkpoint rewritten.
+    again = run_train(ray_session, tiny_flags(tiny_corpus, storage, "run", *base, "--num-iterations", "6"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already reached its horizon" in again.stdout
+    assert all_files(run) == before
+
+    # A second driver while the first trains: refused in one line, and the first one finishes.
+    longer = tiny_flags(tiny_corpus, storage, "run", *base, "--num-iterations", "400")
+    driver = subprocess.Popen([sys.executable, "-m", "raychat.train", *longer], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=ray_session.driver_env())
+    try:
+        for line in driver.stdout:  # the first step line: the lease is held and workers train
+            if log_lines(line, STEP_LINE):
+                break
+        second = run_train(ray_session, longer)
+        assert "being trained by another driver" in one_error_line(second)
+    finally:
+        driver.send_signal(signal.SIGINT)  # Ctrl-C: the driver lets go of its lease
+        driver.wait(timeout=120)
+    assert run.exists(LEASE_FILE)
+    assert '"released": true' in run.read_text(LEASE_FILE)
+
+
+@pytest.mark.ray
+def test_a_grown_corpus_is_refused_before_any_worker(ray_session, tiny_corpus, tmp_path):
+    data_dir, _ = tiny_corpus
+    grown = tmp_path / "grown"
+    shutil.copytree(data_dir, grown)
+    storage = tmp_path / "storage"
+    flags = ["--num-workers", "1", "--total-batch-size", "512", "--eval-every", "-1", "--save-every", "2",
+             "--max-failures", "-1"]
+    first = run_train(ray_session, tiny_flags(tiny_corpus, storage, "run", *flags, "--num-iterations", "2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    # One more train shard (the corpus was re-prepared with more documents).
+    shards = sorted(grown.glob("shard_*.parquet"))
+    texts = [t for s in shards for t in pq.read_table(s)["text"].to_pylist()]
+    for shard in shards:
+        shard.unlink()
+    with CorpusWriter(grown, docs_per_shard=40) as writer:
+        writer.add_train(texts[:-40] + texts[:40])
+        writer.add_val(texts[-40:])
+    rerun = tiny_flags(tiny_corpus, storage, "run", *flags, "--num-iterations", "4")
+    rerun[rerun.index("--data-dir") + 1] = str(grown)
+    result = run_train(ray_session, rerun, timeout=300)  # --max-failures -1 once retried it without end
+    line = one_error_line(result)
+    saved, now = map(int, re.search(r"corpus of (\d+) train row groups, but .* has (\d+)", line).groups())
+    assert now == saved + 1 and str(grown) in line and "new --run-name" in line
+    assert "Resumed from" not in result.stdout + result.stderr  # refused by the driver
+    assert os.path.exists(storage / "run" / "checkpoint_000002")
+
+
+def test_a_rank_with_another_tokenizer_is_refused_in_one_line(tiny_corpus, tmp_path):
+    """A node whose tokenizer directory was made at another time (another vocabulary) is refused by
+    name before it trains a token; the driver's own tokenizer passes."""
+    from raychat.run.worker_setup import _the_drivers_tokenizer
+    from raychat.tokenizer.core import Tokenizer
+    from raychat.tokenizer.train import train_tokenizer
+
+    data_dir, tokenizer_dir = tiny_corpus
+    drivers = Tokenizer.load(tokenizer_dir).fingerprint
+    assert _the_drivers_tokenizer(str(tokenizer_dir), drivers, "rank 0").fingerprint == drivers
+    other = tmp_path / "other-tokenizer"
+    train_tokenizer(data_dir, other, vocab_size=300, log=lambda *_: None)
+    with pytest.raises(RaychatError, match="rank 1 \\(10.0.0.2\\) loads another tokenizer") as err:
+        _the_drivers_tokenizer(str(other), drivers, "rank 1 (10.0.0.2)")
+    assert str(other) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.ray
+def test_resize_requests_belong_to_one_attempt_and_the_last_step_answers_them(ray_session):
+    """The run's real coordinator actor and the controller's real callback: a request the old group
+    never answered is dropped by the next attempt; one that arrives at (or after) the last step is
+    answered with the final step, so the controller does not hold the resize for SAVE_WAIT_S."""
+    import uuid
+
+    import ray
+
+    from raychat.run.elastic import _LIVE, PlannedResizeSave, start_coordinator
+
+    session = uuid.uuid4().hex
+    coordinator = start_coordinator(session)
+    try:
+        ray.get(coordinator.start_attempt.remote(0, 2))
+        ray.get(coordinator.request_save.remote())  # the old group dies before answering
+        ray.get(coordinator.start_attempt.remote(5, 2))
+        assert ray.get(coordinator.poll_request.remote()) is False
+
+        ray.get(coordinator.request_save.remote())  # arrives at the last step: the loop saves no more
+        ray.get(coordinator.finish.remote({"step": 9}))
+        assert ray.get(coordinator.get_saved_step.remote()) == 9
+        callback = PlannedResizeSave(session, wait_s=60)
+        callback._planned = True  # the controller saw a healthy group about to be resized
+        callback.before_controller_execute_resize_decision(None)  # after the finish: answered at once
+        assert ray.get(coordinator.get_saved_step.remote()) == 9
+        assert ray.get(coordinator.poll_request.remote()) is False
+    finally:
+        ray.kill(_LIVE.pop(session))
