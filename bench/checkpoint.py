@@ -39,10 +39,7 @@ The numbers go to $OUT/checkpoint.json when $OUT is set, else bench/out/checkpoi
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -50,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from bench.s3_server import start_moto
 from raychat.checkpoint.format import MANIFEST_FILE, checkpoint_dir_name, damage, rank_file
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.reader import CheckpointReader
@@ -77,28 +75,6 @@ def os_bytes(backend: str) -> tuple[int, int]:
             received = int(counters.split()[0])  # on loopback every byte sent is also received once
             return received, received
     raise RaychatError("no loopback interface in /proc/net/dev; the S3 byte counts need one")
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """moto's S3 server in its own process on a free 127.0.0.1 port, with the bench's bucket."""
-    import boto3
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}").create_bucket(Bucket=BUCKET)
-            return server, f"127.0.0.1:{port}"
-        except Exception:  # not listening yet (botocore raises several kinds)
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise RaychatError("the moto S3 server did not start; check "
-                                   "`pip install 'moto[server]>=5.2.5'`") from None
-            time.sleep(0.3)
 
 
 def measure(depth: int, args: argparse.Namespace, locations: dict[str, str]) -> dict:
@@ -262,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
-    server, endpoint = start_moto()
+    server, endpoint = start_moto(BUCKET)
     print(HEADER, flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix="raychat_bench_ckpt_", dir=args.local_dir) as local:

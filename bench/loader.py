@@ -11,9 +11,16 @@ their rows must be identical; the bench checks that before timing anything.
 
     python -m bench.loader                       # sample corpus (written to a temp dir if needed)
     python -m bench.loader --data-dir DIR --tokenizer-dir TOK --seconds 20
+    python -m bench.loader --bucket --latency-ms 0,30    # the same loader from an S3 bucket
 
 Prints, per (B, T): sustained tokens/sec of both, their ratio (target >= 3x) and the fraction of
 consumed tokens each dropped by crops (should agree within 1 point).
+
+With --bucket it instead compares raychat's loader on the same corpus read from local disk and from
+an S3 bucket (moto on 127.0.0.1 in its own process, bench/s3_server.py), once per first-byte delay
+the server adds to every request (a real bucket: 20-50 ms): tokens/s from the bucket over tokens/s
+from disk in the same run (target >= 0.9x), and the bytes the server sent over the bytes of the
+documents delivered (range reads: ~1x plus each read's footer tail; read-ahead in flight counts).
 """
 
 import argparse
@@ -28,9 +35,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from bench.s3_server import start_moto
 from raychat.common import RaychatError, default_data_dir, run_cli
 from raychat.corpus.index import CorpusIndex, list_shards, read_unit_texts
+from raychat.data.loader import TrainLoader
 from raychat.data.packer import BestFitPacker
+from raychat.storage import Storage
 from raychat.tokenizer.core import Tokenizer, available_cores
 from raychat.tokenizer.train import train_tokenizer
 
@@ -160,6 +170,70 @@ def corpus_and_tokenizer(args, workdir: Path) -> tuple[CorpusIndex, str, str]:
     return index, tokenizer_dir, what
 
 
+def recorder(endpoint: str, action: str) -> str:
+    """moto's request recorder: reset-recording, start-recording, stop-recording, download-recording."""
+    import urllib.request
+
+    method = "GET" if action == "download-recording" else "POST"
+    request = urllib.request.Request(f"http://{endpoint}/moto-api/recorder/{action}", method=method)
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.read().decode()
+
+
+def served_bytes(recording: str, sizes: dict[str, int]) -> int:
+    """Bytes the recorded GETs asked for: their Range, or the whole object without one."""
+    import json
+
+    total = 0
+    for line in filter(None, recording.splitlines()):
+        request = json.loads(line)
+        if request["method"] != "GET":
+            continue
+        if "Range" in request["headers"]:
+            first, last = request["headers"]["Range"].split("=", 1)[1].split("-")
+            total += int(last) - int(first) + 1
+        else:
+            total += sizes.get(request["url"].split("?")[0].rsplit("/", 1)[-1], 0)
+    return total
+
+
+def compare_bucket(index: CorpusIndex, tokenizer_dir: str, args) -> None:
+    """raychat's loader from local disk, then from the bucket at each delay, for the same batches."""
+    import pyarrow.fs as pafs
+
+    B, T = CONFIGS[0]
+    local_dir = Path(index.data_dir)
+    sizes = {path.name: path.stat().st_size for _, path in list_shards(local_dir)}
+    bytes_per_doc = sum(sizes.values()) / (index.num_train_docs + index.num_val_docs)
+    with TrainLoader(index, tokenizer_dir, T, 0, 1, data_tasks=args.num_cpus) as loader:
+        _, n, local_seconds, _, _ = timed(lambda: loader.next_rows(B), 5, seconds=args.seconds)
+    local_rate = n * B * T / local_seconds
+    print(f"B={B} T={T} local disk: {local_rate / 1e6:.3f} M tok/s over {n} batches", flush=True)
+    os.environ.update(AWS_ACCESS_KEY_ID="raychat-bench", AWS_SECRET_ACCESS_KEY="raychat-bench",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    for delay in [float(d) for d in args.latency_ms.split(",")]:
+        server, endpoint = start_moto("raychat-bench", delay)
+        try:
+            uri = f"s3://raychat-bench/corpus?endpoint_override={endpoint}&scheme=http"
+            bucket = Storage(uri)
+            pafs.copy_files(str(local_dir), bucket.root, destination_filesystem=bucket.fs)
+            remote = CorpusIndex.load(uri)
+            recorder(endpoint, "reset-recording")
+            recorder(endpoint, "start-recording")
+            with TrainLoader(remote, tokenizer_dir, T, 0, 1, data_tasks=args.num_cpus) as loader:
+                _, _, seconds, _, _ = timed(lambda: loader.next_rows(B), 5, batches=n)
+                documents = len(loader.consumed_doc_ids())
+            recorder(endpoint, "stop-recording")
+            read = served_bytes(recorder(endpoint, "download-recording"), sizes)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+        rate = n * B * T / seconds
+        print(f"B={B} T={T} bucket, {delay:g} ms per request: {rate / 1e6:.3f} M tok/s | ratio to local disk "
+              f"{rate / local_rate:.2f}x | read {read / 1e6:.1f} MB for {documents:,} documents "
+              f"({read / (documents * bytes_per_doc):.2f}x their bytes)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.loader", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,11 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-seconds", type=float, default=5.0, help="the reference runs this long "
                         "before the clock starts, raychat as many batches (past Ray Data's start-up)")
     parser.add_argument("--num-cpus", type=int, default=os.cpu_count(), help="CPUs of the local Ray instance")
+    parser.add_argument("--bucket", action="store_true", help="compare raychat's loader reading from an S3 "
+                        "bucket (a local moto server) with local disk, instead of the reference loader")
+    parser.add_argument("--latency-ms", default="0,30", help="with --bucket: delays the S3 server adds to "
+                        "every request, comma-separated (default 0,30; a real bucket's first byte: 20-50)")
     args = parser.parse_args(argv)
 
     import ray
-
-    from raychat.data.loader import TrainLoader
 
     with tempfile.TemporaryDirectory(prefix="raychat_bench_loader_") as tmp:
         index, tokenizer_dir, what = corpus_and_tokenizer(args, Path(tmp))
@@ -197,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False,
                  log_to_driver=False)
         try:
+            if args.bucket:
+                compare_bucket(index, tokenizer_dir, args)
+                return 0
             for B, T in CONFIGS:
                 # Packing alone, on the same already tokenized documents.
                 ref_pack = ReferenceLoader(cycle(docs), B, T)

@@ -86,7 +86,8 @@ class TrainConfig:
     # --- data ---
     data_dir: str = _flag("", "corpus directory of shard_*.parquet, or a bucket URI such as "
                           "s3://bucket/climbmix (default $RAYCHAT_HOME/data)", "data")
-    tokenizer_dir: str = _flag("", "tokenizer directory (default $RAYCHAT_HOME/tokenizer)", "data")
+    tokenizer_dir: str = _flag("", "tokenizer directory, or a bucket URI read once per node into "
+                                   "$RAYCHAT_HOME/tokenizers (default $RAYCHAT_HOME/tokenizer)", "data")
     vocab_size: int = _flag(32768, "vocabulary size when a tokenizer has to be trained first", "data")
     # --- Ray ---
     num_workers: str = _flag("1", "training workers: N, or MIN:MAX for an elastic run that continues on "

@@ -3,6 +3,7 @@ reads fetch only their row group, a changed or missing shard is named in one lin
 training run from the bucket trains on exactly what the same run from local disk trains on."""
 
 import json
+import pickle
 import subprocess
 import sys
 import time
@@ -14,6 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import s3_uri
 from test_corpus import run_corpus_cli
+from test_download import COMMIT, NUM_TRAIN, HubServer
+from test_download import served_files as hub_files  # noqa: F401 (a fixture: the Hub's files)
 from test_train import (
     STEP_LINE,
     VAL_LINE,
@@ -27,10 +30,23 @@ from trace_audit import read_trace
 
 from raychat.checkpoint.format import read_meta
 from raychat.common import RaychatError
+from raychat.corpus.cli import main as corpus_main
+from raychat.corpus.download import REPO_ID, download_shards
 from raychat.corpus.files import TAIL_BYTES
 from raychat.corpus.fixture import synthetic_texts
-from raychat.corpus.index import CorpusIndex, confirm_identity, read_unit_texts
+from raychat.corpus.index import (
+    CorpusIndex,
+    confirm_identity,
+    read_corpus_meta,
+    read_unit_texts,
+    shard_filename,
+)
 from raychat.storage import Storage
+from raychat.tokenizer.cli import main as tokenizer_main
+from raychat.tokenizer.core import Tokenizer
+from raychat.tokenizer.remote import local_copy
+
+TEXT = "Ray Data reads the corpus; the tokenizer comes from the bucket too."
 
 
 def _recorder(endpoint: str, action: str) -> str:
@@ -76,8 +92,6 @@ def test_corpus_commands_range_reads_and_damage_on_a_bucket(s3_endpoint):
     assert f"corpus {uri}: OK" in made.stdout and "documents:  3,000 (train 2,500, val 500)" in made.stdout
     checked = run_corpus_cli("check", uri, "--deep")
     assert checked.returncode == 0 and "MB of text" in checked.stdout, checked.stderr
-    refused = run_corpus_cli("download", "--shards", "1", "--data-dir", uri)   # local disk only, for now
-    assert refused.returncode == 2 and "aws s3 sync" in refused.stderr and not refused.stdout
 
     index = CorpusIndex.load(uri)
     shard = index.train[1]
@@ -110,19 +124,78 @@ def test_corpus_commands_range_reads_and_damage_on_a_bucket(s3_endpoint):
     assert 3 < time.monotonic() - started < 30
 
 
+def test_download_streams_the_hub_into_a_bucket_and_resumes(s3_endpoint, hub_files, tmp_path,  # noqa: F811 (the fixture)
+                                                             monkeypatch, capsys):
+    uri = s3_uri(s3_endpoint, f"climbmix-{time.time_ns()}")
+    monkeypatch.setenv("RAYCHAT_HOME", str(tmp_path / "home"))  # the staging directory lives here
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    with HubServer(hub_files) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        assert corpus_main(["download", "--shards", str(NUM_TRAIN), "--data-dir", uri, "--workers", "2"]) == 0
+        out = capsys.readouterr().out
+        assert "2 of 4 files uploaded" in out and "4 of 4 files uploaded" in out  # a batch of 2 at a time
+        assert f"corpus {uri}: OK" in out  # the bucket checked as a corpus afterwards
+        bucket = Storage(uri)
+        assert {name: bucket.read_bytes(name) for name in hub_files} == hub_files
+        assert read_corpus_meta(uri) == {"source": "hub", "repo": REPO_ID, "revision": COMMIT}
+        staging = tmp_path / "home" / "staging"
+        assert not staging.exists() or not any(staging.iterdir())  # local disk kept no copy
+
+        # A shard missing from the bucket (lost, or its upload killed) is fetched again; the rest are kept.
+        lost = shard_filename(1)
+        bucket.delete(lost)
+        before = len(server.requests)
+        lines: list[str] = []
+        download_shards(uri, NUM_TRAIN, endpoint=server.url, workers=2, log=lines.append,
+                        staging=tmp_path / "staging")
+        fetched = {path.rsplit("/", 1)[-1] for method, path, _, _ in server.requests[before:]
+                   if method == "GET" and "/resolve/" in path}
+        assert fetched == {lost}, fetched
+        assert "download: 3 of 4 files already in the bucket" in lines
+        assert bucket.read_bytes(lost) == hub_files[lost]
+    index = CorpusIndex.load(uri)
+    assert index.num_train_docs == NUM_TRAIN * 1100
+
+
+def test_a_tokenizer_in_a_bucket_is_copied_once_per_node(s3_endpoint, tiny_corpus, tmp_path, monkeypatch):
+    tokenizer_dir = tiny_corpus[1]
+    uri = s3_uri(s3_endpoint, f"tokenizer-{time.time_ns()}")
+    copy_to_bucket(tokenizer_dir, uri)
+    monkeypatch.setenv("RAYCHAT_HOME", str(tmp_path / "home"))
+    local = Tokenizer.load(tokenizer_dir)
+    try:
+        with recorded_requests(s3_endpoint) as first:
+            remote = Tokenizer.load(uri)
+        assert remote.fingerprint == local.fingerprint and remote.encode(TEXT) == local.encode(TEXT)
+        assert remote.directory.is_relative_to(tmp_path / "home" / "tokenizers")
+        assert pickle.loads(pickle.dumps(remote)).location == uri  # a Ray task re-opens the bucket's
+        local_copy.cache_clear()  # as another process on this node
+        with recorded_requests(s3_endpoint) as second:
+            assert Tokenizer.load(uri).fingerprint == local.fingerprint
+        assert any(r["method"] == "GET" and "tokenizer.tiktoken" in r["url"] for r in first)
+        gets = [r["url"] for r in second if r["method"] == "GET"]
+        assert gets and all("meta.json" in url for url in gets), gets  # the cache is current: meta only
+    finally:
+        local_copy.cache_clear()
+    with pytest.raises(RaychatError, match="train writes a local directory, not s3://"):
+        tokenizer_main(["train", "--tokenizer-dir", uri])
+
+
 @pytest.mark.ray
 def test_training_from_a_bucket_trains_what_local_disk_does_and_refuses_a_changed_shard(
         ray_session, tiny_corpus, tmp_path, s3_endpoint):
     data_dir, tokenizer_dir = tiny_corpus
     uri = s3_uri(s3_endpoint, f"tiny-{time.time_ns()}")
     bucket = copy_to_bucket(data_dir, uri)
+    tokenizer_uri = s3_uri(s3_endpoint, f"tiny-tokenizer-{time.time_ns()}")
+    copy_to_bucket(tokenizer_dir, tokenizer_uri)  # the bucket run reads its tokenizer from there too
     storage = tmp_path / "runs"
     flags = ["--num-workers", "2", "--total-batch-size", "1024", "--num-iterations", "12",
              "--eval-every", "6", "--save-every", "6"]
     runs = {}
-    for name, corpus in (("local", data_dir), ("bucket", uri)):
+    for name, inputs in (("local", (data_dir, tokenizer_dir)), ("bucket", (uri, tokenizer_uri))):
         (tmp_path / name).mkdir()
-        train_flags = tiny_flags((corpus, tokenizer_dir), storage, name, *flags)
+        train_flags = tiny_flags(inputs, storage, name, *flags)
         runs[name] = subprocess.Popen(
             [sys.executable, "-m", "raychat.train", *train_flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

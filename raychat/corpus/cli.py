@@ -4,13 +4,12 @@ other modules of raychat.corpus; nothing imports this one)."""
 import argparse
 from pathlib import Path
 
-from raychat.common import RaychatError, default_data_dir
+from raychat.common import default_data_dir
 from raychat.corpus import download, fixture, ingest, sample
 from raychat.corpus.check import validate_corpus
 from raychat.corpus.index import DEFAULT_DOCS_PER_SHARD, ROW_GROUP_SIZE
 from raychat.evaluation.bundle import default_bundle_dir
 from raychat.evaluation.download import EVAL_BUNDLE_URL, download_eval_bundle
-from raychat.storage import is_uri
 
 DESCRIPTION = """\
 Create, check and inspect raychat corpora: directories of parquet shards in nanochat's layout
@@ -53,10 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(shard_{download.MAX_SHARD:05d}) with huggingface_hub, all from one commit, recorded in "
         "DATA_DIR/corpus.json. Complete files are kept and partial ones resumed, so re-running (also with a "
         "larger --shards) continues; each file is checked against the size and checksum the Hub publishes. "
-        "HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE are honoured.")
+        "DATA_DIR may be a bucket URI (s3://bucket/climbmix, gs://..., with ?endpoint_override=...): the "
+        "shards then pass through $RAYCHAT_HOME/staging a batch of --workers at a time and are uploaded; "
+        "shards already in the bucket are kept. HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE are honoured.")
     p.add_argument("--shards", type=int, required=True,
                    help=f"train shards to fetch (1..{download.MAX_SHARD})")
-    p.add_argument("--data-dir", default=None, help=f"where to put them (default: {default_data_dir()})")
+    p.add_argument("--data-dir", default=None, help=f"where to put them: a directory or a bucket URI "
+                   f"(default: {default_data_dir()})")
     p.add_argument("--revision", default=None,
                    help="dataset branch, tag or commit (default: the commit DATA_DIR was started from, else "
                         f"{download.DEFAULT_REVISION!r} resolved to its current commit)")
@@ -119,9 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         download_eval_bundle(args.out or default_bundle_dir(), url=args.url)
         return 0
     if args.command == "download":
-        if args.data_dir and is_uri(args.data_dir):
-            raise RaychatError(f"download writes to local disk, not to {args.data_dir}: download to a local "
-                               "--data-dir, then copy the directory into the bucket (e.g. `aws s3 sync`)")
         download.download_shards(args.data_dir or default_data_dir(), args.shards, revision=args.revision,
                                  workers=args.workers)
         print(validate_corpus(args.data_dir or default_data_dir()).format())

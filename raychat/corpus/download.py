@@ -5,6 +5,8 @@
 size check, `HF_TOKEN`/`hf auth login`, `HF_ENDPOINT` (a mirror), `HF_HUB_OFFLINE` and
 `HF_HUB_DISABLE_PROGRESS_BARS`. The shards land in `data_dir` itself (its `local_dir` mode), not in
 the shared `HF_HOME` cache, so a corpus is one self-contained directory the trainer can be pointed at.
+A bucket URI as `data_dir` streams the shards through a local staging directory into the bucket a
+batch at a time: one copy of the corpus for every node, and no node downloads it at set-up.
 
 What raychat adds: the revision is resolved to one commit before anything is fetched, every file
 comes from that commit, and the commit is recorded in `corpus.json`, so the data cannot change
@@ -13,19 +15,24 @@ file is checked against what the Hub publishes for it (size, and the sha256 of L
 blob id of small ones) and must open as a shard, else it is deleted and fetched again once.
 """
 
+import functools
 import hashlib
 import os
 import re
+import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import huggingface_hub
+import pyarrow.fs as pafs
 from huggingface_hub import RepoFile
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-from raychat.common import RaychatError
+from raychat.common import RaychatError, raychat_home
+from raychat.corpus.files import corpus_storage
 from raychat.corpus.index import open_shard, read_corpus_meta, shard_filename, write_corpus_meta
+from raychat.storage import Storage, is_uri, join_uri, normalize_location, redact
 
 REPO_ID = "karpathy/climbmix-400b-shuffle"
 REPO_TYPE = "dataset"
@@ -112,36 +119,41 @@ def _problem(path: Path, published: RepoFile) -> str | None:
     return None
 
 
-def _pinned_revision(data_dir: Path, revision: str | None, endpoint: str) -> str:
+def _pinned_revision(data_dir: str, revision: str | None, endpoint: str) -> str:
     """The commit to fetch: --revision resolved, else the one this corpus was started from, else the
     default resolved. A corpus never mixes commits."""
     recorded = read_corpus_meta(data_dir)
     if recorded and recorded.get("source") != "hub":
-        raise RaychatError(f"{data_dir} holds a {recorded.get('source')} corpus, not a Hub download: choose "
-                           "another --data-dir")
+        raise RaychatError(f"{redact(data_dir)} holds a {recorded.get('source')} corpus, not a Hub download: "
+                           "choose another --data-dir")
     recorded_commit = recorded.get("revision")
     if revision is None and recorded_commit:
         return recorded_commit
     commit = resolve_revision(revision or DEFAULT_REVISION, endpoint)
     if recorded_commit and commit != recorded_commit:
-        raise RaychatError(f"{data_dir} holds shards of {REPO_ID} at commit {recorded_commit}, --revision "
-                           f"{revision} is commit {commit}: choose another --data-dir, or drop --revision")
+        raise RaychatError(f"{redact(data_dir)} holds shards of {REPO_ID} at commit {recorded_commit}, "
+                           f"--revision {revision} is commit {commit}: choose another --data-dir, or drop "
+                           "--revision")
     return commit
 
 
 def download_shards(data_dir: str | Path, num_shards: int, revision: str | None = None, workers: int = 8,
-                    endpoint: str | None = None, log: Callable[[str], None] = print) -> list[Path]:
-    """Fetch train shards 0..num_shards-1 and the validation shard into data_dir, all from one commit
-    (see _pinned_revision); returns their paths. Complete files are kept, partial ones resumed."""
+                    endpoint: str | None = None, log: Callable[[str], None] = print,
+                    staging: Path | None = None) -> list[str]:
+    """Fetch train shards 0..num_shards-1 and the validation shard into data_dir (a directory or a
+    bucket URI), all from one commit (see _pinned_revision); returns their locations. Complete files
+    are kept, partial ones resumed."""
     if not 1 <= num_shards <= MAX_SHARD:
         raise RaychatError(f"--shards must be between 1 and {MAX_SHARD} (the train shards of ClimbMix), "
                            f"got {num_shards}")
     if workers < 1:
         raise RaychatError(f"--workers must be at least 1, got {workers}")
     endpoint = endpoint or hub_endpoint()
-    data_dir = Path(data_dir).expanduser().resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
-    commit = _pinned_revision(data_dir, revision, endpoint)
+    in_bucket = is_uri(str(data_dir))
+    location = normalize_location(str(data_dir)) if in_bucket else str(Path(data_dir).expanduser().resolve())
+    storage = corpus_storage(location)
+    storage.make_dir()
+    commit = _pinned_revision(location, revision, endpoint)
     names = [shard_filename(shard) for shard in range(num_shards)] + [shard_filename(MAX_SHARD)]
     api = huggingface_hub.HfApi(endpoint=endpoint)
     published = {f.path: f for f in _hub_call(endpoint, api.get_paths_info, REPO_ID, names, revision=commit,
@@ -149,24 +161,72 @@ def download_shards(data_dir: str | Path, num_shards: int, revision: str | None 
     if missing := [name for name in names if name not in published]:
         raise RaychatError(f"{REPO_ID} at commit {commit} has no {', '.join(missing)}: "
                            "ask for fewer --shards")
-    write_corpus_meta(data_dir, {"source": "hub", "repo": REPO_ID, "revision": commit})
-    log(f"download: {len(names)} files of {REPO_ID} at commit {commit} into {data_dir} "
+    write_corpus_meta(location, {"source": "hub", "repo": REPO_ID, "revision": commit})
+    where = redact(location)
+    log(f"download: {len(names)} files of {REPO_ID} at commit {commit} into {where} "
         f"({sum(published[n].size for n in names) / 1e6:,.0f} MB, {workers} parallel streams)")
+    fetch = functools.partial(_fetch_checked, commit=commit, published=published, workers=workers,
+                              endpoint=endpoint, log=log)
+    if not in_bucket:
+        fetch(Path(location), names)
+    else:
+        _fetch_into_bucket(storage, names, published, fetch, workers, staging or _staging_dir(location), log)
+    return [join_uri(location, name) for name in names]
+
+
+def _fetch_checked(local_dir: Path, names: list[str], commit: str, published: dict[str, RepoFile],
+                   workers: int, endpoint: str, log: Callable[[str], None]) -> None:
+    """snapshot_download `names` into local_dir, then check each against the Hub; a rejected file is
+    deleted and fetched once more."""
     todo = names
     for attempt in (1, 2):
         _hub_call(endpoint, huggingface_hub.snapshot_download, REPO_ID, repo_type=REPO_TYPE, revision=commit,
-                  allow_patterns=todo, local_dir=data_dir, max_workers=workers, endpoint=endpoint)
+                  allow_patterns=todo, local_dir=local_dir, max_workers=workers, endpoint=endpoint)
         with ThreadPoolExecutor(max_workers=workers) as pool:  # hashing releases the GIL
-            problems = dict(zip(todo, pool.map(lambda n: _problem(data_dir / n, published[n]), todo),
+            problems = dict(zip(todo, pool.map(lambda n: _problem(local_dir / n, published[n]), todo),
                                 strict=True))
         todo = [name for name, problem in problems.items() if problem]
         for name in todo:
-            (data_dir / name).unlink(missing_ok=True)  # so the next snapshot fetches it again
+            (local_dir / name).unlink(missing_ok=True)  # so the next snapshot fetches it again
             log(f"download: {name} rejected ({problems[name]})")
         if not todo:
-            return [data_dir / name for name in names]
+            return
         if attempt == 1:
             log(f"download: fetching {len(todo)} rejected files again")
-    raise RaychatError(f"{data_dir / todo[0]} from {endpoint} was rejected twice ({problems[todo[0]]}): the "
+    raise RaychatError(f"{local_dir / todo[0]} from {endpoint} was rejected twice ({problems[todo[0]]}): the "
                        "download is corrupted on the way or the mirror serves other data; check HF_ENDPOINT "
                        "and re-run the same command")
+
+
+def _staging_dir(location: str) -> Path:
+    """Local room for the files on their way into one bucket (HF's partial files live here, so an
+    interrupted download resumes); one per bucket location."""
+    key = hashlib.sha256(location.encode()).hexdigest()[:16]
+    return raychat_home() / "staging" / key
+
+
+def _fetch_into_bucket(bucket: Storage, names: list[str], published: dict[str, RepoFile],
+                       fetch: Callable[[Path, list[str]], None], workers: int, staging: Path,
+                       log: Callable[[str], None]) -> None:
+    """Stream the shards through local staging into the bucket, `workers` at a time, so local disk
+    holds one batch (~90 MB a shard), never the corpus. A shard counts as present when the bucket
+    holds an object of the published size: an object store publishes an upload whole when it closes,
+    so a killed upload leaves nothing and the re-run sends the shard again."""
+    sizes = {info.base_name: info.size for info in bucket.entries() if info.type == pafs.FileType.File}
+    todo = [name for name in names if sizes.get(name) != published[name].size]
+    if len(todo) < len(names):
+        log(f"download: {len(names) - len(todo)} of {len(names)} files already in the bucket")
+    staging.mkdir(parents=True, exist_ok=True)
+    for start in range(0, len(todo), workers):
+        batch = todo[start:start + workers]
+        fetch(staging, batch)
+        for name in batch:
+            with open(staging / name, "rb") as source, bucket.open_output(name) as target:
+                shutil.copyfileobj(source, target, 1 << 22)
+            (staging / name).unlink()
+            uploaded = bucket.info(name).size
+            if uploaded != published[name].size:
+                raise RaychatError(f"{join_uri(redact(bucket.location), name)} holds {uploaded:,} bytes "
+                                   f"after the upload, not {published[name].size:,}: re-run the same command")
+        log(f"download: {start + len(batch)} of {len(todo)} files uploaded")
+    shutil.rmtree(staging, ignore_errors=True)

@@ -87,7 +87,7 @@ def resolve_paths(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(
         cfg,
         data_dir=normalize_location(cfg.data_dir or str(default_data_dir())),  # a path or a bucket URI
-        tokenizer_dir=str(Path(cfg.tokenizer_dir or default_tokenizer_dir()).expanduser().resolve()),
+        tokenizer_dir=normalize_location(cfg.tokenizer_dir or str(default_tokenizer_dir())),  # path or URI
         storage_path=normalize_location(cfg.storage_path or str(default_storage_path())),
     )
 
@@ -100,6 +100,8 @@ def prepare_inputs(cfg: TrainConfig, log: Log = print) -> tuple[Tokenizer, Corpu
         prepare_default_corpus(cfg.data_dir, log=log)
     index = CorpusIndex.load(cfg.data_dir)
     log(f"Corpus: {summarize(index)}")
+    if is_uri(cfg.tokenizer_dir):  # a bucket's tokenizer is trained elsewhere and copied in
+        return Tokenizer.load(cfg.tokenizer_dir), index
     tok_dir = Path(cfg.tokenizer_dir)
     if tok_dir.exists() and any(tok_dir.iterdir()):
         return Tokenizer.load(tok_dir), index

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from raychat.common import RaychatError, default_data_dir, default_tokenizer_dir
 from raychat.corpus.index import iter_split_texts
-from raychat.storage import normalize_location
+from raychat.storage import is_uri, normalize_location, redact
 from raychat.tokenizer.core import Tokenizer
 from raychat.tokenizer.evaluate import evaluate_tokenizer
 from raychat.tokenizer.train import MIN_VOCAB_SIZE, train_tokenizer
@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--data-dir", default="", help="corpus directory of shard_*.parquet "
                         "(default $RAYCHAT_HOME/data)")
     common.add_argument("--tokenizer-dir", default="",
-                        help="tokenizer directory (default $RAYCHAT_HOME/tokenizer)")
+                        help="tokenizer directory (default $RAYCHAT_HOME/tokenizer); eval also reads "
+                             "one in a bucket (s3://...)")
     train = commands.add_parser("train", parents=[common], help="train a tokenizer on the training split",
                                 description="Train a tokenizer on the training split of a corpus and save it "
                                 "to --tokenizer-dir (a tokenizer already there is replaced).")
@@ -56,10 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     data_dir = normalize_location(args.data_dir or str(default_data_dir()))  # a path or a bucket URI
-    tokenizer_dir = Path(args.tokenizer_dir).expanduser() if args.tokenizer_dir else default_tokenizer_dir()
     if args.command == "train":
-        train_tokenizer(data_dir, tokenizer_dir, args.vocab_size, args.max_chars, args.doc_cap)
+        if is_uri(args.tokenizer_dir):
+            raise RaychatError(f"train writes a local directory, not {redact(args.tokenizer_dir)}: "
+                               "train into a local --tokenizer-dir, then copy it into the bucket "
+                               "(raychat.train reads it there)")
+        out = Path(args.tokenizer_dir).expanduser() if args.tokenizer_dir else default_tokenizer_dir()
+        train_tokenizer(data_dir, out, args.vocab_size, args.max_chars, args.doc_cap)
         return 0
+    tokenizer_dir = args.tokenizer_dir or default_tokenizer_dir()
     if args.threads < 0:
         raise RaychatError(f"--threads must be 0 (every core) or more, got {args.threads}")
     tokenizer = Tokenizer.load(tokenizer_dir)

@@ -30,6 +30,8 @@ import numpy as np
 import tiktoken
 
 from raychat.common import RaychatError
+from raychat.storage import is_uri, redact
+from raychat.tokenizer.remote import local_copy
 
 if TYPE_CHECKING:
     import torch
@@ -76,10 +78,12 @@ def available_cores() -> int:
 
 class Tokenizer:
     """A trained tokenizer, loaded from its directory. Cheap to load (cached per process) and pickled
-    as just its directory, so Ray tasks and actors can be handed one or the path."""
+    as just its location, so Ray tasks and actors can be handed one or the path. `location` is what
+    the user gave (a path or a bucket URI); `directory` the local files (a bucket's are cached)."""
 
-    def __init__(self, directory: Path, encoding: tiktoken.Encoding, meta: dict):
+    def __init__(self, directory: Path, encoding: tiktoken.Encoding, meta: dict, location: str = ""):
         self.directory = directory
+        self.location = location or str(directory)
         self.encoding = encoding
         self.meta = meta
         self.vocab_size: int = meta["vocab_size"]
@@ -90,17 +94,22 @@ class Tokenizer:
 
     @classmethod
     def load(cls, tokenizer_dir: str | Path) -> "Tokenizer":
-        directory = Path(tokenizer_dir).expanduser().resolve()
+        location = str(tokenizer_dir)
+        if is_uri(location):
+            directory = local_copy(location, (RANKS_FILE, HF_FILE, TOKEN_BYTES_FILE), META_FILE)
+        else:
+            directory = Path(location).expanduser().resolve()
+            location = str(directory)
         meta_path = directory / META_FILE
         if not meta_path.is_file():
             what = "does not exist" if not directory.exists() else f"has no {META_FILE}"
             raise RaychatError(f"no tokenizer at {directory} (it {what}): {_train_hint(directory)}, "
                                "or pass the --tokenizer-dir of an existing one")
         stat = meta_path.stat()
-        return _load_cached(str(directory), stat.st_mtime_ns, stat.st_size)
+        return _load_cached(location, str(directory), stat.st_mtime_ns, stat.st_size)
 
     def __reduce__(self):
-        return (Tokenizer.load, (str(self.directory),))
+        return (Tokenizer.load, (self.location,))
 
     def __repr__(self) -> str:
         return (f"Tokenizer({str(self.directory)!r}, vocab_size={self.vocab_size}, "
@@ -166,18 +175,18 @@ def _parse_ranks(ranks_text: bytes, directory: Path) -> dict[bytes, int]:
     return ranks
 
 
-def _load_cached(directory_str: str, mtime_ns: int, size: int) -> Tokenizer:
+def _load_cached(location: str, directory_str: str, mtime_ns: int, size: int) -> Tokenizer:
     """Loads once per process and version of meta.json (Ray workers reuse their process)."""
-    key = (directory_str, mtime_ns, size)
+    key = (location, directory_str, mtime_ns, size)
     if key not in _LOADED:
-        _LOADED[key] = _load_uncached(Path(directory_str))
+        _LOADED[key] = _load_uncached(Path(directory_str), location)
     return _LOADED[key]
 
 
-_LOADED: dict[tuple[str, int, int], Tokenizer] = {}
+_LOADED: dict[tuple[str, str, int, int], Tokenizer] = {}
 
 
-def _load_uncached(directory: Path) -> Tokenizer:
+def _load_uncached(directory: Path, location: str) -> Tokenizer:
     try:
         meta = json.loads((directory / META_FILE).read_text())
         vocab_size, specials = int(meta["vocab_size"]), dict(meta["special_tokens"])
@@ -199,18 +208,19 @@ def _load_uncached(directory: Path) -> Tokenizer:
         raise _damaged(directory, f"{META_FILE}: special tokens must take ids {len(ranks)}..{vocab_size - 1}")
     encoding = tiktoken.Encoding(f"raychat-{fingerprint}", pat_str=pattern, mergeable_ranks=ranks,
                                  special_tokens=specials, explicit_n_vocab=vocab_size)
-    return Tokenizer(directory, encoding, meta)
+    return Tokenizer(directory, encoding, meta, location)
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int, fingerprint: str | None, source: str) -> None:
     """The tokenizer must be the one the checkpoint at `source` was trained with (same ids)."""
     if tokenizer.vocab_size != vocab_size:
         raise RaychatError(
-            f"tokenizer at {tokenizer.directory} has vocab {tokenizer.vocab_size:,} but checkpoint {source} "
-            f"was trained with {vocab_size:,}: pass --tokenizer-dir with the tokenizer that run used")
+            f"tokenizer at {redact(tokenizer.location)} has vocab {tokenizer.vocab_size:,} but checkpoint "
+            f"{source} was trained with {vocab_size:,}: pass --tokenizer-dir with the tokenizer that run "
+            "used")
     if fingerprint is not None and fingerprint != tokenizer.fingerprint:
         raise RaychatError(
-            f"tokenizer at {tokenizer.directory} (fingerprint {tokenizer.fingerprint}) is not the one "
+            f"tokenizer at {redact(tokenizer.location)} (fingerprint {tokenizer.fingerprint}) is not the one "
             f"checkpoint {source} was trained with (fingerprint {fingerprint}), although both have vocab "
             f"{vocab_size:,}: pass --tokenizer-dir with the tokenizer that run used")
 
