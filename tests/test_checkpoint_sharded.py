@@ -208,7 +208,8 @@ def test_a_save_some_rank_did_not_finish_is_never_chosen(tmp_path):
         finish_checkpoint(directory, 2, "t", CheckpointMeta(step=5, model_config={}).to_json(), timeout_s=0.5)
     assert "manifest" in damage(directory)
     assert latest_valid_checkpoint(run, log=lambda _: None) == run.child("checkpoint_000002")
-    assert candidates(run, "session", "checkpoint_000005") == []  # the driver never named it
+    with pytest.raises(RaychatError, match="checkpoint_000005 .* is gone"):  # nor may a worker start from it
+        candidates(run, "session", "checkpoint_000005")
     assert candidates(run, "session", "checkpoint_000002") == ["checkpoint_000002"]
     with CheckpointReader(run.child("checkpoint_000002")) as reader:
         assert reader.meta.step == STEPS

@@ -3,6 +3,7 @@ when redirected), and no secret in what Ray stores and shows (`ray job list`, th
 
 import functools
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from test_train import STEP_LINE, VAL_LINE, run_train, submit_job, tiny_flags
 from raychat.run.console import MARK, log_line, print_batch
 from raychat.run.runtime_env import QUIET_HOOK, worker_runtime_env
 
+CORE_LINE = re.compile(r"Step 00006 \| CORE metric: -?\d\.\d{4}")
 RUN = ["--num-workers", "1", "--total-batch-size", "256", "--num-iterations", "6", "--eval-every", "3"]
 ESCAPE = "\x1b["
 
@@ -84,9 +86,12 @@ def test_redirected_run_reads_like_nanochat(secret_run):
     lines = out.splitlines()
     steps = [line for line in lines if line.startswith("step")]  # grep '^step'
     assert len(steps) == 6 and all(STEP_LINE.fullmatch(line) for line in steps), steps
-    vals = [line for line in lines if line.startswith("Step")]
+    vals = [line for line in lines if line.startswith("Step") and "Validation" in line]
     # nanochat evaluates at step 0 too
     assert [VAL_LINE.fullmatch(line).group(1) for line in vals] == ["00000", "00003", "00006"]
+    # CORE, on by default, is scored at the last step only (every 2000 steps otherwise)
+    cores = [line for line in lines if line.startswith("Step") and "Validation" not in line]
+    assert len(cores) == 1 and CORE_LINE.fullmatch(cores[0]), cores
     assert not any("RayTrainWorker" in line for line in lines if "step " in line or "Validation" in line)
     assert any(line.startswith("Training done.") for line in lines)
 

@@ -115,7 +115,7 @@ def test_unknown_gauge_name_is_an_error():
     with pytest.raises(ValueError, match="known: loss, tokens_per_sec"):
         metrics.update(los=1.0)
     assert set(GAUGES) == {"loss", "tokens_per_sec", "mfu", "val_bpb", "step", "world_size",
-                           "data_wait_seconds"}
+                           "data_wait_seconds", "core_metric"}
 
 
 # ---------------------------------------------------------------------------------------------------
