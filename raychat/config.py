@@ -65,7 +65,8 @@ class TrainConfig:
     # --- evaluation and output ---
     eval_every: int = _flag(250, "evaluate validation bits-per-byte every N steps (-1 = only at the end)",
                             "evaluation")
-    eval_tokens: int = _flag(80 * 524288, "validation tokens per evaluation", "evaluation")
+    eval_tokens: int = _flag(80 * 524288, "validation tokens per evaluation (at most the val split's "
+                             "documents once)", "evaluation")
     sample_every: int = _flag(2000, "print greedy samples every N steps (-1 = only at the end)", "evaluation")
     save_every: int = _flag(-1, "save a checkpoint every N steps (-1 = only at the end)", "evaluation")
     core_metric_every: int = _flag(2000, "evaluate nanochat's CORE metric every N steps and at the end "

@@ -19,7 +19,7 @@ import pytest
 
 from bench.multinode import stop_processes_under
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(800)]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STEADY = {"kill_worker", "kill_driver", "short_horizon", "second_driver"}
@@ -41,11 +41,11 @@ def test_short_chaos_run_survives_every_fault(tmp_path):
     temp_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths stay < 108 chars
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     bench = subprocess.Popen([sys.executable, "-m", "bench.chaos", "--short", "--seed", "1", "--time-limit",
-                              "1200", "--out", str(tmp_path), "--results", str(tmp_path / "RESULTS.md"),
+                              "600", "--out", str(tmp_path), "--results", str(tmp_path / "RESULTS.md"),
                               "--temp-dir", temp_dir], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        output, _ = bench.communicate(timeout=1350)
+        output, _ = bench.communicate(timeout=700)
         leftovers = left_running(temp_dir, bench.pid)
     finally:
         if bench.poll() is None:

@@ -152,14 +152,22 @@ def test_cursor_from_another_corpus_is_refused(corpus):
         TrainLoader(index, tokenizer_dir, T, 0, 1, cursor=merge_cursor([state]))
 
 
-def test_validation_rows_are_the_val_split_packed_in_order_pass_after_pass(corpus):
+def test_validation_rows_are_the_val_split_packed_in_order_at_most_one_pass(corpus):
     index, tokenizer_dir = corpus
     tokenizer = Tokenizer.load(tokenizer_dir)
-    # 120 rows of 65 tokens need more than the 80 val documents: the split is read again (pass 2).
-    got = pack_validation_rows(index, tokenizer_dir, T, 120, BUFFER)
+    # The packer's buffer reads the split again (pass 2 and on) to stay full, as val_loader does ...
     expected = direct_rows(tokenizer, [(unit, None) for _ in range(4) for unit in index.val], 120)
-    assert got.dtype == np.int64 and (got == expected).all()
     assert (pack_validation_rows(index, tokenizer_dir, T, 7, BUFFER) == expected[:7]).all()
+    # ... but asked for more rows than the split's documents fill, it stops at the row that has
+    # packed as many documents as the split holds (80 here).
+    got = pack_validation_rows(index, tokenizer_dir, T, 120, BUFFER)
+    assert got.dtype == np.int64 and len(got) < 120 and (got == expected[:len(got)]).all()
+    packer = BestFitPacker(T + 1, BUFFER)
+    docs = iter([(None, np.array(ids, dtype=np.int32)) for _ in range(4) for unit in index.val
+                 for ids in tokenizer.encode_batch(read_unit_texts(unit), prepend_bos=True)])
+    used = [len(packer.fill(np.empty((1, T + 1), dtype=np.int64), lambda: next(docs))) for _ in range(120)]
+    assert sum(used[:len(got) - 1]) < index.num_val_docs == 80 <= sum(used[:len(got)])
+    assert len(pack_validation_rows(index, tokenizer_dir, T, 120, BUFFER, min_rows=110)) == 110
 
 
 @pytest.mark.parametrize("victim", [0, 6], ids=["first-read-in-process", "later-read-in-ray-data"])

@@ -6,6 +6,12 @@ for 1,200 validation documents. Here the rank reads the val split's row groups i
 the same as a read task's), tokenizes each on all its cores and packs as it goes, stopping when the
 rows are full. The rows are those `raychat.data.loader.val_loader(index, ..., rank=0, world_size=1)`
 yields, bit for bit: the same documents in the same order into the same best-fit packer.
+
+At most one pass of documents: when the val split is smaller than --eval-tokens asks for, the rows
+stop once as many documents as the split holds have been packed, instead of evaluating its
+documents again and again (nanochat cycles its val loader; on a small corpus with the default 42M
+eval tokens that is hours of CPU for the same number). The buffer still reads later passes to stay
+full, so the rows kept are exactly an uncapped packing's first rows.
 """
 
 from collections.abc import Iterator
@@ -34,10 +40,17 @@ def _val_documents(index: CorpusIndex, tokenizer: Tokenizer) -> Iterator[tuple[D
 
 
 def pack_validation_rows(index: CorpusIndex, tokenizer_dir: str, seq_len: int, num_rows: int,
-                         buffer_size: int = 1000) -> np.ndarray:
-    """The first `num_rows` packed val rows of seq_len + 1 tokens (int64), as one worker packs them."""
+                         buffer_size: int = 1000, min_rows: int = 1) -> np.ndarray:
+    """The first `num_rows` packed val rows of seq_len + 1 tokens (int64), as one worker packs them,
+    or fewer (but at least `min_rows`) when the split's documents are used up before that."""
     documents = _val_documents(index, Tokenizer.load(tokenizer_dir))
-    rows = np.empty((num_rows, seq_len + 1), dtype=np.int64)
-    BestFitPacker(seq_len + 1, buffer_size).fill(rows, lambda: next(documents))
+    packer = BestFitPacker(seq_len + 1, buffer_size)
+    rows, consumed = [], 0
+    while len(rows) < num_rows:
+        row = np.empty((1, seq_len + 1), dtype=np.int64)
+        consumed += len(packer.fill(row, lambda: next(documents)))
+        rows.append(row)
+        if consumed >= index.num_val_docs and len(rows) >= min_rows:
+            break
     documents.close()
-    return rows
+    return np.concatenate(rows)

@@ -48,9 +48,13 @@ def validation_rows(w: Worker) -> torch.Tensor:
     packed as by one worker, row i evaluated by rank i % W. The same rows and so the same bpb for
     the same weights at any world size; read and packed in this process (raychat.data.validation),
     once per attempt, then reused at every evaluation."""
-    num_rows = max(w.world_size, w.cfg.eval_tokens // w.cfg.max_seq_len)
-    rows = pack_validation_rows(w.index, w.tokenizer_dir, w.cfg.max_seq_len, num_rows)
-    return torch.from_numpy(rows[w.rank:num_rows:w.world_size].copy())
+    wanted = max(w.world_size, w.cfg.eval_tokens // w.cfg.max_seq_len)
+    rows = pack_validation_rows(w.index, w.tokenizer_dir, w.cfg.max_seq_len, wanted, min_rows=w.world_size)
+    if len(rows) < wanted:
+        w.log(f"Validation: the val split's {w.index.num_val_docs:,} documents fill {len(rows):,} rows "
+              f"({len(rows) * w.cfg.max_seq_len:,} tokens), fewer than --eval-tokens "
+              f"{w.cfg.eval_tokens:,}: each evaluation reads the split once")
+    return torch.from_numpy(rows[w.rank::w.world_size].copy())
 
 
 def evaluate(w: Worker, state: LoopState) -> float:
