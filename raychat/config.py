@@ -30,6 +30,11 @@ class TrainConfig:
     max_seq_len: int = _flag(2048, "context length T in tokens", "model")
     window_pattern: str = _flag("SSSL", "sliding-window pattern tiled over layers: L = full context, "
                                 "S = short window (T/4); the last layer is always L", "model")
+    init_from_nanochat: str = _flag("", "start a new run from the weights of a nanochat base checkpoint: its "
+                                    "directory, NANOCHAT_BASE_DIR/base_checkpoints/<tag> (fresh optimizer "
+                                    "and data order; the model flags and tokenizer must be nanochat's)",
+                                    "model")
+    init_from_nanochat_step: int = _flag(-1, "step of that nanochat checkpoint (-1 = its latest)", "model")
     # --- horizon (first one set wins) ---
     num_iterations: int = _flag(-1, "explicit number of optimizer steps (-1 = use the next rule)", "horizon")
     target_flops: float = _flag(-1.0, "train until this many FLOPs (-1 = use the next rule)", "horizon")

@@ -29,29 +29,13 @@ import torch
 
 from raychat.checkpoint.format import read_meta
 from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.nanochat import MODEL_CONFIG_KEYS, NANOCHAT_COMMIT, nanochat_keys
 from raychat.checkpoint.reader import load_checkpoint
 from raychat.common import RaychatError, default_storage_path, default_tokenizer_dir, run_cli
-from raychat.model.gpt import GPTConfig, has_value_embedding
+from raychat.model.gpt import GPTConfig
 from raychat.sample import find_checkpoint
 from raychat.storage import Storage
 from raychat.tokenizer.core import Tokenizer, check_vocab
-
-NANOCHAT_COMMIT = "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"
-MODEL_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
-                     "window_pattern")
-
-
-def nanochat_keys(config: GPTConfig) -> set[str]:
-    """The state-dict names of nanochat's GPT for this config, as its gpt.py defines the modules."""
-    keys = {"transformer.wte.weight", "lm_head.weight", "resid_lambdas", "x0_lambdas", "smear_gate.weight",
-            "smear_lambda", "backout_lambda"}
-    for i in range(config.n_layer):
-        block = f"transformer.h.{i}"
-        keys |= {f"{block}.attn.{m}.weight" for m in ("c_q", "c_k", "c_v", "c_proj")}
-        keys |= {f"{block}.mlp.c_fc.weight", f"{block}.mlp.c_proj.weight"}
-        if has_value_embedding(i, config.n_layer):
-            keys |= {f"{block}.attn.ve_gate.weight", f"value_embeds.{i}.weight"}
-    return keys
 
 
 def nanochat_state(model_state: dict[str, torch.Tensor], config: GPTConfig,

@@ -11,9 +11,10 @@ import torch
 
 from raychat.checkpoint.format import checkpoint_dir_name
 from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.nanochat import MODEL_CONFIG_KEYS, load_nanochat_checkpoint, nanochat_keys
 from raychat.checkpoint.sharded import save_checkpoint
 from raychat.common import RaychatError
-from raychat.export import MODEL_CONFIG_KEYS, main, nanochat_keys
+from raychat.export import main
 from raychat.model.gpt import GPTConfig, build_model
 from raychat.storage import Storage
 from raychat.tokenizer.core import Tokenizer
@@ -100,3 +101,96 @@ def test_the_tokenizer_files_encode_as_raychats_tokenizer(run, tmp_path):
     assert token_bytes.dtype == torch.int32 and torch.equal(token_bytes, tokenizer.token_bytes())
     with pytest.raises(RaychatError, match="model_000007.pt exists"):
         export(storage, tokenizer, tmp_path / "nanochat")
+
+
+def test_a_nanochat_checkpoint_loads_back_bitwise_and_a_mismatch_is_one_line(run, tmp_path):
+    """raychat -> nanochat's layout -> raychat: the same tensors, read without unpickling code."""
+    storage, tokenizer, config, state = run
+    out = tmp_path / "nanochat"
+    export(storage, tokenizer, out, "--embedding-dtype", "fp32")
+    directory = out / "base_checkpoints" / "tiny"
+    seed = load_nanochat_checkpoint(directory, -1, config, tokenizer)
+    assert seed.step == STEP and seed.config == config and seed.tokenizer_checked
+    assert seed.state.keys() == state.keys() and all(torch.equal(seed.state[n], state[n]) for n in state)
+    assert torch.equal(logits(seed.config, seed.state, torch.float32), logits(config, state, torch.float32))
+
+    with pytest.raises(RaychatError, match=r"holds another model than these flags build \(n_layer 3 \(fl"):
+        load_nanochat_checkpoint(directory, -1, dataclasses.replace(config, n_layer=2), tokenizer)
+    with pytest.raises(RaychatError, match="--init-from-nanochat-step 5: .* has steps 7"):
+        load_nanochat_checkpoint(directory, 5, config, tokenizer)
+    with pytest.raises(RaychatError, match="no model_<step>.pt there"):
+        load_nanochat_checkpoint(out, -1, config, tokenizer)
+    # Another vocabulary's token_bytes.pt beside it: not the tokenizer nanochat trained the model with.
+    token_bytes = out / "tokenizer" / "token_bytes.pt"
+    torch.save(torch.flip(tokenizer.token_bytes(), [0]).clone(), token_bytes)
+    with pytest.raises(RaychatError, match=r"is not the tokenizer of the nanochat model .*bytes.pt differs"):
+        load_nanochat_checkpoint(directory, -1, config, tokenizer)
+    token_bytes.unlink()
+    assert not load_nanochat_checkpoint(directory, -1, config, tokenizer).tokenizer_checked
+    # A model file that needs code to load is refused, never run.
+    torch.save({"transformer.wte.weight": RanOnLoad()}, directory / "model_000007.pt")
+    with pytest.raises(RaychatError, match="cannot be read as tensors only .* raychat loads no pickled code"):
+        load_nanochat_checkpoint(directory, -1, config, tokenizer)
+    assert not RanOnLoad.ran
+
+
+class RanOnLoad:
+    ran = False
+
+    def __reduce__(self):
+        return (RanOnLoad.mark, ())
+
+    @staticmethod
+    def mark():
+        RanOnLoad.ran = True
+
+
+@pytest.mark.ray
+def test_a_run_starts_from_nanochats_weights_and_a_rerun_resumes_its_own(ray_session, tiny_corpus, tmp_path):
+    """`--init-from-nanochat` through the real entry point: with every learning rate flag 0, the run's
+    one step leaves the weights as nanochat's file holds them, bit for bit; the same command again
+    resumes the run's own checkpoint instead."""
+    from test_train import TINY, run_train, tiny_flags
+
+    from raychat.checkpoint.format import latest_valid_checkpoint
+    from raychat.checkpoint.reader import load_checkpoint
+
+    tokenizer = Tokenizer.load(tiny_corpus[1])
+    # The model TINY's flags build: depth 2, width 64 (2 heads of 32), T 64, window L.
+    assert TINY[:10] == ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
+                         "--window-pattern", "L"]
+    config = GPTConfig(sequence_len=64, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_kv_head=2,
+                       n_embd=64, window_pattern="L")
+    torch.manual_seed(1)
+    model = build_model(config, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    nanochat_dir = tmp_path / "nanochat" / "base_checkpoints" / "d2"
+    nanochat_dir.mkdir(parents=True)
+    torch.save(model.state_dict(), nanochat_dir / "model_000300.pt")  # as nanochat's save_checkpoint does
+    meta = {"step": 300, "model_config": dataclasses.asdict(config)}
+    (nanochat_dir / "meta_000300.json").write_text(json.dumps(meta))
+    (tmp_path / "nanochat" / "tokenizer").mkdir()
+    torch.save(tokenizer.token_bytes().to(torch.int32), tmp_path / "nanochat/tokenizer/token_bytes.pt")
+
+    storage = tmp_path / "runs"
+    flags = tiny_flags(tiny_corpus, storage, "from-nanochat", "--init-from-nanochat", str(nanochat_dir),
+                       "--num-iterations", "1", "--total-batch-size", "256", "--eval-every", "-1",
+                       "--dtype", "fp32", "--core-metric-every", "-1", "--embedding-lr", "0",
+                       "--unembedding-lr", "0", "--matrix-lr", "0", "--scalar-lr", "0")
+    result = run_train(ray_session, flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"Starting from nanochat's {nanochat_dir / 'model_000300.pt'} (step 300)" in result.stdout
+    trained, _, meta = load_checkpoint(latest_valid_checkpoint(Storage(str(storage)).child("from-nanochat")))
+    assert meta.step == 1
+    original = model.state_dict()
+    assert trained.keys() == original.keys()
+    # Only nanochat's smear set moves: its lr is a fixed 0.2, no flag sets it.
+    moved = [name for name in original if not torch.equal(trained[name], original[name])]
+    assert sorted(moved) == ["backout_lambda", "smear_gate.weight", "smear_lambda"]
+
+    again = run_train(ray_session, flags)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "--init-from-nanochat ignored: the run resumes from its own checkpoint_000001" in again.stdout
+    assert "Starting from nanochat" not in again.stdout

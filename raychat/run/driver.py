@@ -3,7 +3,8 @@
 A run goes through the same four stages whoever drives it:
   prepare_run  paths resolved into the config once; precision, compile, storage, corpus (its index
                built once, from the shards' footers), tokenizer, eval bundle, the plan and the
-               checkpoint to resume from, all checked before any worker starts
+               checkpoint to resume from (or nanochat's weights to start from), all checked before
+               any worker starts
   connect_ray  join the cluster (RAY_ADDRESS, `ray job submit`) or start a local Ray instance
   fit_run      the TorchTrainer, with the stop note cleared before and read after; a user error
                raised inside a worker comes back as its own one line
@@ -27,6 +28,7 @@ from ray.train.torch import TorchTrainer
 
 from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
 from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.nanochat import NanochatCheckpoint, load_nanochat_checkpoint
 from raychat.checkpoint.resume import driver_choice
 from raychat.checkpoint.stop_note import clear_stop_note, read_stop_note
 from raychat.common import RaychatError, default_data_dir, default_storage_path, default_tokenizer_dir
@@ -67,6 +69,7 @@ class PreparedRun:
     index: CorpusIndex  # every shard's footer, read once here: the workers never list the corpus
     resume_from: Storage | None = None  # the checkpoint the driver chose (hashes verified)
     resume_meta: CheckpointMeta | None = None  # its metadata
+    init_weights: NanochatCheckpoint | None = None  # --init-from-nanochat, for a run with nothing to resume
     compile_checked: bool = False  # torch.compile already probed on the workers' device type
     session: str = field(default_factory=lambda: uuid.uuid4().hex)  # this driver's run, new each time
 
@@ -159,6 +162,24 @@ def check_resume_fits(cfg: TrainConfig, plan: Plan, index: CorpusIndex, meta: Ch
     check_checkpoint_corpus(meta.corpus, index, str(checkpoint))
 
 
+def choose_initial_weights(cfg: TrainConfig, plan: Plan, tokenizer: Tokenizer, resume_from: Storage | None,
+                           log: Log = print) -> NanochatCheckpoint | None:
+    """The nanochat checkpoint a new run starts from (--init-from-nanochat), read and checked here;
+    a run that already has a checkpoint of its own resumes from that (a rerun of the same command)."""
+    if not cfg.init_from_nanochat:
+        return None
+    if resume_from is not None:
+        log(f"--init-from-nanochat ignored: the run resumes from its own {resume_from.name}")
+        return None
+    seed = load_nanochat_checkpoint(cfg.init_from_nanochat, cfg.init_from_nanochat_step, plan.model,
+                                    tokenizer)
+    unchecked = "" if seed.tokenizer_checked else (" (no nanochat token_bytes.pt beside it: only the vocab "
+                                                   "size of --tokenizer-dir could be checked)")
+    log(f"Starting from nanochat's {seed.model_file} (step {seed.step}): its weights, a fresh optimizer, the "
+        f"corpus from its start{unchecked}")
+    return seed
+
+
 def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:
     """Every check the driver can make, cheapest first, before Ray is even started."""
     check_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, cfg.gpus_per_worker)
@@ -169,8 +190,9 @@ def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:
     tokenizer, index = prepare_inputs(cfg, log)
     plan = plan_run(cfg, tokenizer.vocab_size)
     resume_from, resume_meta = choose_checkpoint(cfg, tokenizer, index, plan, log) or (None, None)
+    init_weights = choose_initial_weights(cfg, plan, tokenizer, resume_from, log)
     return PreparedRun(cfg=cfg, plan=plan, tokenizer=tokenizer, index=index, resume_from=resume_from,
-                       resume_meta=resume_meta, compile_checked=compile_checked)
+                       resume_meta=resume_meta, init_weights=init_weights, compile_checked=compile_checked)
 
 
 def connect_ray(cfg: TrainConfig) -> None:
@@ -253,6 +275,8 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
             "tokenizer_fingerprint": run.tokenizer.fingerprint,  # every rank must load this one
             "session": run.session,
             "resume_from": run.resume_from.name if run.resume_from is not None else None,
+            # Through the object store: the nanochat file need not be on the workers' nodes.
+            "init_weights": ray.put(run.init_weights.state) if run.init_weights is not None else None,
             "compile_checked": run.compile_checked,
         },
         scaling_config=scaling_config(cfg),

@@ -259,6 +259,8 @@ def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
         state = LoopState(**{**restore.meta.loop_state, "step": restore.meta.step})
         me.log(f"Resumed from {restore.checkpoint} at step {state.step} "
                f"(saved by {restore.meta.world_size} workers, now {me.world_size})")
+    elif config.get("init_weights") is not None:  # a new run from nanochat's weights (every attempt
+        orig_model.load_state_dict(ray.get(config["init_weights"]), strict=True)  # until its first save)
     signals = _start_attempt(config, state, resumed_from, me)
 
     slices = micro_slices(rank_rows(plan.rows_per_step, me.world_size, me.rank), cfg.device_batch_size)
