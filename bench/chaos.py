@@ -261,7 +261,8 @@ class ChaosRun:
                               timeout=min(300, left), env={**os.environ, **self.env()})
         errors = [line for line in done.stderr.splitlines() if line.startswith("raychat: error:")]
         fault.survived = done.returncode == 2 and len(errors) == 1 and expect in errors[0]
-        fault.note = (errors[0][:110] if errors else f"exit {done.returncode}: " + done.stderr[-200:]).strip()
+        line = errors[0].replace(str(self.run_dir), "<run>") if errors else ""  # the table's width
+        fault.note = (line[:110] if errors else f"exit {done.returncode}: " + done.stderr[-200:]).strip()
 
     def short_horizon(self, fault: Fault) -> None:
         latest = self.watch.newest

@@ -5,7 +5,8 @@ attempt: the documents each rank trained at each step) tells where the run is wh
 at the end, which documents the final timeline trained: for each step the latest attempt that ran
 it (a step redone after a restore supersedes the lost attempt's). The run's checkpoints are watched
 while it runs: the newest whole one must never go back (a checkpoint a restart would need was pruned
-or rewritten), and at the end the kept ones must be the newest ones saved.
+or rewritten), and at the end the kept ones must be the newest ones saved (and the one the last
+attempt resumed from, which its saver never prunes).
 """
 
 import json
@@ -138,8 +139,9 @@ class CheckpointWatch:
             self.went_back.append(f"newest whole checkpoint went from step {self.newest} to {newest}")
         self.newest = max(self.newest, newest)
 
-    def final_problems(self, horizon: int) -> tuple[list[str], Storage | None]:
-        """What is wrong with the checkpoints at the end (empty: nothing), and the final one."""
+    def final_problems(self, horizon: int, resumed_at: int | None) -> tuple[list[str], Storage | None]:
+        """What is wrong with the checkpoints at the end (empty: nothing), and the final one.
+        `resumed_at`: the step the last attempt started from (its checkpoint is never pruned)."""
         self.poll()
         problems = list(self.went_back)
         final = latest_valid_checkpoint(self.run_dir, deep=True, log=lambda m: problems.append(m))
@@ -147,10 +149,12 @@ class CheckpointWatch:
             problems.append(f"the final checkpoint is {final}, not a whole one at step {horizon}")
         problems += lineage_problems(self.run_dir)
         whole = sorted(self.whole_steps())
-        expected = sorted(self.seen)[-self.keep:]
-        if whole != expected:
-            problems.append(f"checkpoints kept at steps {whole}, expected the newest {self.keep} saved: "
-                            f"{expected}")
+        expected = set(sorted(self.seen)[-self.keep:])
+        if resumed_at in self.seen:
+            expected.add(resumed_at)  # the saver never prunes where its attempt resumed from
+        if whole != sorted(expected):
+            problems.append(f"checkpoints kept at steps {whole}, expected the newest {self.keep} saved "
+                            f"and the one the last attempt resumed from: {sorted(expected)}")
         return problems, final
 
 

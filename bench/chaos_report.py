@@ -48,7 +48,8 @@ def checked_run(run, data_dir: Path, reference: Storage | None) -> dict:
     unprovoked = attribute_restarts(run, records)
     problems, final, docs = [], None, {}
     if run.exit_code == 0 and not run.stopped:
-        problems, final = run.watch.final_problems(run.spec.steps)
+        spans = attempt_spans(records)
+        problems, final = run.watch.final_problems(run.spec.steps, spans[-1][2] if len(spans) > 1 else None)
     else:
         problems.append(run.stopped or f"the driver exited {run.exit_code}: see {run.drivers[-1]}")
     if final is not None:
