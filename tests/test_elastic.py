@@ -57,6 +57,19 @@ def cluster():
         stop_processes_under(session_dir)  # agents that outlive their raylet
 
 
+def submit(client: JobSubmissionClient, **job) -> str:
+    """`ray job submit`, once the head's job agent is up: on a loaded machine a fresh cluster answers
+    "No available agent to submit job, please try again later" for a while."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
 def test_each_kind_of_restart_gets_its_own_line():
     from raychat.run.elastic import describe_attempt
 
@@ -110,8 +123,8 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, ray_session, tiny_corpus, 
     request.addfinalizer(lambda: reference.poll() is None and reference.kill())
     client = JobSubmissionClient(f"http://{c.head_node.address_info['webui_url']}")
     flags = tiny_flags(tiny_corpus, storage, "elastic", *ELASTIC)
-    job = client.submit_job(entrypoint=" ".join(["python -m raychat.train", *flags]),
-                            runtime_env={"env_vars": {"RAYCHAT_TRACE_DIR": str(trace)}})
+    job = submit(client, entrypoint=" ".join(["python -m raychat.train", *flags]),
+                 runtime_env={"env_vars": {"RAYCHAT_TRACE_DIR": str(trace)}})
 
     ports = [n.metrics_export_port for n in nodes]
     gauges: dict[str, set[float]] = {}
@@ -201,8 +214,8 @@ def test_spot_notice_saves_before_the_node_goes(cluster, tiny_corpus, tmp_path):
                        "--placement-strategy", "SPREAD", "--total-batch-size", "1024", "--num-iterations",
                        str(steps), "--eval-every", "-1", "--save-every", "-1", "--max-failures", "0")
     client = JobSubmissionClient(f"http://{c.head_node.address_info['webui_url']}")
-    job = client.submit_job(entrypoint=" ".join(["python -m raychat.train", *flags]),
-                            runtime_env={"env_vars": {"RAYCHAT_TRACE_DIR": str(trace)}})
+    job = submit(client, entrypoint=" ".join(["python -m raychat.train", *flags]),
+                 runtime_env={"env_vars": {"RAYCHAT_TRACE_DIR": str(trace)}})
     deadline_s = 5
     reclaimed, drained_at = None, None
     status = None
