@@ -20,7 +20,7 @@ from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig
 from raychat.storage import Storage
 from tune.report import SWEEP_SPEC_FILE, load_sweep, one_result_per_step
-from tune.sweep import build_trials, check_same_grid, main, parse_list, trial_name
+from tune.sweep import asha_scheduler, best_trial, build_trials, check_same_grid, main, parse_list, trial_name
 
 # d2/d3, width 32 per layer, T 64, 256-token steps: each trial is a few steps of the full model.
 TINY = ["--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--window-pattern", "L",
@@ -109,6 +109,22 @@ def test_flag_errors(capsys):
         run_cli(main, ["--depths", "2", "--name", "../elsewhere", "--dry-run"])
     assert e.value.code == 2
     assert "--name must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, ["--depths", "2", "--metric", "core", "--core-metric-every", "-1", "--dry-run"])
+    assert e.value.code == 2
+    assert "--metric core ranks trials by CORE, which --core-metric-every -1" in capsys.readouterr().err
+
+
+def test_the_best_trial_and_asha_follow_the_metric():
+    rows = [{"trial": "a", "val_bpb": 1.2, "core_metric": 0.10},
+            {"trial": "b", "val_bpb": 1.1, "core_metric": 0.05},
+            {"trial": "c", "val_bpb": None, "core_metric": None}]
+    assert best_trial(rows, "val_bpb") == "Best trial by val bpb: b (1.1000)"  # lower is better
+    assert best_trial(rows, "core") == "Best trial by CORE: a (0.1000)"  # higher is better
+    assert best_trial(rows[2:], "core") is None
+    trials = [{"plan": {"total_flops": 3e15}}, {"plan": {"total_flops": 9e15}}]
+    assert asha_scheduler(trials, "core").metric == "core_metric"
+    assert asha_scheduler(trials).metric == "val_bpb"
 
 
 def test_a_restarted_trial_counts_each_step_once():
@@ -152,7 +168,7 @@ def interrupted_sweep(ray_session, tiny_corpus, s3_endpoint, tmp_path_factory):
     storage = s3_uri(s3_endpoint, f"sweeps-{time.time_ns()}")
     cmd = [sys.executable, "-m", "tune.sweep", "--depths", "2,3", "--ratios", "0.004,0.008", *TINY,
            "--data-dir", str(data_dir), "--tokenizer-dir", str(tokenizer_dir), "--storage-path", storage,
-           "--name", "tiny", "--max-concurrent", "2"]
+           "--name", "tiny", "--max-concurrent", "2", "--metric", "core"]
     experiment = Storage(storage).child("tiny")
     first_log = tmp_path_factory.mktemp("sweep-logs") / "first.log"
     with open(first_log, "w") as log:
@@ -234,6 +250,12 @@ def test_sweep_writes_table_and_plots_into_the_bucket(interrupted_sweep):
         trial_report = report.child("trials", r["trial"])
         assert "## Validation bpb" in trial_report.read_text("report.md") and trial_report.exists("loss.png")
     assert "d3_r0.008" in interrupted_sweep["second"].stdout  # the table is printed too
+    # CORE (on by default, scored at each trial's end): a column, a plot, the ranking (--metric core)
+    assert all(-1 <= float(r["core_metric"]) <= 1 for r in rows)
+    assert report.info("core_metric_vs_flops.png").size > 10_000
+    best = max(rows, key=lambda r: float(r["core_metric"]))
+    line = f"Best trial by CORE: {best['trial']} ({float(best['core_metric']):.4f})"
+    assert line in interrupted_sweep["second"].stdout
     # tune.report --storage-path URI reads the sweep from the bucket and writes there again
     again = interrupted_sweep["report"]
     assert again.returncode == 0, again.stderr[-2000:]

@@ -16,13 +16,15 @@ from tune.fit import ComputeOptimal
 
 __all__ = ["DPI", "EvalCurve", "bpb_vs_flops_figure", "iso_flop_figure", "save_figure"]
 
-# (depth, [(FLOPs spent so far, val bpb) of each eval, in order]) of one trial
+# (depth, [(FLOPs spent so far, val bpb or CORE) of each eval, in order]) of one trial
 EvalCurve = tuple[int, list[tuple[float, float]]]
 
 
-def bpb_vs_flops_figure(curves: list[EvalCurve]) -> Figure:
-    """Every eval of every trial: val bpb against FLOPs spent so far, one colour (and one legend
-    entry) per depth; a line through a trial's evals and a dot at its last one."""
+def bpb_vs_flops_figure(curves: list[EvalCurve], ylabel: str = "validation bits per byte",
+                        title: str = "val bpb vs compute") -> Figure:
+    """Every eval of every trial: val bpb (or another metric: `ylabel`) against FLOPs spent so far,
+    one colour (and one legend entry) per depth; a line through a trial's evals and a dot at its
+    last one."""
     depths = sorted({depth for depth, evals in curves if evals})
     viridis = matplotlib.colormaps["viridis"]
     colors = {d: viridis(i / max(1, len(depths) - 1) * 0.9) for i, d in enumerate(depths)}
@@ -39,8 +41,8 @@ def bpb_vs_flops_figure(curves: list[EvalCurve]) -> Figure:
         ax.plot(xs[-1:], ys[-1:], "o", color=colors[depth], markersize=7, label=label)
     ax.set_xscale("log")
     ax.set_xlabel("training FLOPs")
-    ax.set_ylabel("validation bits per byte")
-    ax.set_title("val bpb vs compute (lines: evals during training; dots: last eval)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title} (lines: evals during training; dots: last eval)")
     ax.grid(True, which="both", alpha=0.3)
     major_labels_only(ax)
     if labelled:

@@ -39,7 +39,7 @@ TRIAL_REPORTS_DIR = "trials"  # each trial's run report (raychat.report), inside
 
 COLUMNS = ["trial", "status", "depth", "width", "target_ratio", "flops_budget", "scaling_params",
            "total_params", "flops_per_token", "tokens", "tokens_per_param", "total_flops", "val_bpb",
-           "wall_time_s", "report"]
+           "core_metric", "wall_time_s", "report"]
 
 
 def resolve_storage(storage_path: str = "") -> str:
@@ -156,6 +156,7 @@ def trial_row(trial: Trial) -> dict[str, Any]:
         "tokens_per_param": tokens / scaling if scaling else None,
         "total_flops": flops or 0,
         "val_bpb": trial.last("val_bpb"),
+        "core_metric": trial.last("core_metric"),
         "wall_time_s": trial.last("time_total_s"),
     }
 
@@ -183,7 +184,7 @@ def _sci(x: float | None) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     headers = ["trial", "status", "depth", "width", "params", "params total", "FLOPs/tok", "tokens",
-               "tok:param", "FLOPs", "val bpb", "wall"]
+               "tok:param", "FLOPs", "val bpb", "CORE", "wall"]
     body = []
     for r in rows:
         body.append([
@@ -191,6 +192,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             _si(r["total_params"]), _si(r["flops_per_token"]), _si(r["tokens"]),
             "-" if r["tokens_per_param"] is None else f"{r['tokens_per_param']:.3g}", _sci(r["total_flops"]),
             "-" if r["val_bpb"] is None else f"{r['val_bpb']:.4f}",
+            "-" if r.get("core_metric") is None else f"{r['core_metric']:.4f}",
             "-" if r["wall_time_s"] is None else f"{r['wall_time_s'] / 60:.1f}m",
         ])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
@@ -246,15 +248,22 @@ def format_compute_optimal(result: ComputeOptimal) -> str:
     return "\n".join(lines)
 
 
-def eval_curves(trials: list[Trial]) -> list[EvalCurve]:
-    """(depth, [(FLOPs so far, val bpb) of each eval]) per trial: what the bpb-vs-FLOPs plot draws."""
-    return [(t.spec["depth"], [(r["flops_so_far"], r["val_bpb"]) for r in t.results
-                               if r.get("val_bpb") is not None and r.get("flops_so_far")]) for t in trials]
+def eval_curves(trials: list[Trial], metric: str = "val_bpb") -> list[EvalCurve]:
+    """(depth, [(FLOPs so far, metric) of each eval]) per trial: what the metric-vs-FLOPs plots draw."""
+    return [(t.spec["depth"], [(r["flops_so_far"], r[metric]) for r in t.results
+                               if r.get(metric) is not None and r.get("flops_so_far")]) for t in trials]
 
 
 def plot_bpb_vs_flops(trials: list[Trial], path: Path) -> None:
     """Every eval of every trial: val bpb against FLOPs spent so far, one colour per depth."""
     save_figure(bpb_vs_flops_figure(eval_curves(trials)), path)
+
+
+def plot_core_vs_flops(trials: list[Trial], path: Path) -> None:
+    """The same for nanochat's CORE metric (higher is better), where the trials scored it."""
+    figure = bpb_vs_flops_figure(eval_curves(trials, "core_metric"), ylabel="CORE metric (centered, mean "
+                                 "of the tasks)", title="CORE vs compute")
+    save_figure(figure, path)
 
 
 def plot_iso_flop(points: list[tuple[float, float, float, float]], result: ComputeOptimal,
@@ -296,6 +305,9 @@ def _write_report_files(path: str, out_dir: Path, log,
     if any(t.results for t in trials):
         plot_bpb_vs_flops(trials, out_dir / "val_bpb_vs_flops.png")
         written.append(out_dir / "val_bpb_vs_flops.png")
+    if any(r.get("core_metric") is not None for t in trials for r in t.results):
+        plot_core_vs_flops(trials, out_dir / "core_metric_vs_flops.png")
+        written.append(out_dir / "core_metric_vs_flops.png")
     points = iso_flop_points(rows)
     if points:
         result = compute_optimal(points)

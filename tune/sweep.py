@@ -48,6 +48,8 @@ from tune.report import (
 PER_TRIAL_FLAGS = {"depth", "num_iterations", "target_flops", "target_param_data_ratio", "run_name",
                    "num_workers"}
 DRIVER_RESOURCE = "raychat_driver"  # custom resource of the head node in cluster/*.yaml
+# --metric: the reported key, Tune's mode, and how the end of the sweep names it
+METRICS = {"val_bpb": ("val_bpb", "min", "val bpb"), "core": ("core_metric", "max", "CORE")}
 
 EPILOG = """\
 examples:
@@ -95,8 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "value it started with)")
     sweep.add_argument("--name", default="sweep", help="the sweep's directory under --storage-path; "
                        "re-running with the same name resumes it (default: sweep)")
-    sweep.add_argument("--asha", action="store_true", help="stop trials early when their val bpb trails "
-                       "the others' at the same FLOPs spent (ASHA; compares at eval steps)")
+    sweep.add_argument("--metric", default="val_bpb", choices=tuple(METRICS),
+                       help="what ranks the trials (the best is named at the end) and what --asha "
+                       "compares: val_bpb (lower is better; default) or core, nanochat's CORE metric "
+                       "(higher is better; scored every --core-metric-every steps and at each trial's end)")
+    sweep.add_argument("--asha", action="store_true", help="stop trials early when their --metric trails "
+                       "the others' at the same FLOPs spent (ASHA; compares where the metric is reported)")
     sweep.add_argument("--dry-run", action="store_true", help="print the trials and their plans, run nothing")
     add_config_flags(parser, only={f.name for f in dataclasses.fields(TrainConfig)} - PER_TRIAL_FLAGS)
     return parser
@@ -189,12 +195,25 @@ def default_concurrency(cfg: TrainConfig) -> int:
     return max(1, int(resources.get("CPU", 0) // (workers * cpus + 1)))
 
 
-def asha_scheduler(trials: list[dict]) -> tune.schedulers.ASHAScheduler:
-    """ASHA on val bpb at equal FLOPs spent: rungs from a third of the smallest trial's budget up."""
+def asha_scheduler(trials: list[dict], metric: str = "val_bpb") -> tune.schedulers.ASHAScheduler:
+    """ASHA on the sweep's metric at equal FLOPs spent: rungs from a third of the smallest trial's
+    budget up (a report without the metric, e.g. a step with no CORE, is not compared)."""
     flops = [t["plan"]["total_flops"] for t in trials]
+    key, mode, _ = METRICS[metric]
     return tune.schedulers.ASHAScheduler(
-        time_attr="flops_so_far", metric="val_bpb", mode="min", max_t=max(flops),
+        time_attr="flops_so_far", metric=key, mode=mode, max_t=max(flops),
         grace_period=min(flops) / 3, reduction_factor=3, stop_last_trials=False)
+
+
+def best_trial(rows: list[dict], metric: str) -> str | None:
+    """'Best trial by CORE: d12_r20 (0.1234)' from the report's rows, or None if none has the metric."""
+    key, mode, label = METRICS[metric]
+    scored = [r for r in rows if r.get(key) is not None]
+    if not scored:
+        return None
+    pick = min if mode == "min" else max
+    best = pick(scored, key=lambda r: r[key])
+    return f"Best trial by {label}: {best['trial']} ({best[key]:.4f})"
 
 
 def check_same_grid(sweep_dir: Storage, trials: list[dict], name: str) -> None:
@@ -226,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name):
         raise RaychatError(f"--name must be letters, digits, '.', '_' or '-' (it names a directory), "
                            f"got {args.name!r}")
+
+    if args.metric == "core" and base.core_metric_every <= 0:
+        raise RaychatError("--metric core ranks trials by CORE, which --core-metric-every "
+                           f"{base.core_metric_every} turns off: give it a positive number of steps")
 
     path = experiment_path(args.name, base.storage_path)
     runs_path = join_uri(path, TRAIN_RUNS_DIR)
@@ -267,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             trainable,
             param_space={"trial": tune.grid_search(trials)},
             tune_config=tune.TuneConfig(max_concurrent_trials=concurrency,
-                                        scheduler=asha_scheduler(trials) if args.asha else None,
+                                        scheduler=asha_scheduler(trials, args.metric) if args.asha else None,
                                         trial_name_creator=_trial_dirname,
                                         trial_dirname_creator=_trial_dirname),
             run_config=tune.RunConfig(name=args.name, storage_path=resolve_storage(base.storage_path),
@@ -288,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{join_uri(path, '<trial>', 'error.txt')}. Re-run the same command to retry them from "
               "their checkpoints.")
         return 1
+    best = best_trial(rows, args.metric)
+    if best is not None:
+        print(best)
     print(f"Sweep {args.name} done. Report again any time: python -m tune.report --name {args.name}"
           + (f" --storage-path {base.storage_path}" if base.storage_path else ""))
     return 0
