@@ -23,17 +23,23 @@ STEP = 7
 TEXTS = ["The capital of France is Paris.", "def f(x):\n    return x ** 2  # 12345", "ünïcödé and 東京"]
 
 
+def trained_looking_model(config: GPTConfig, seed: int) -> torch.nn.Module:
+    """A GPT with noise on every tensor: no zero projections, so every tensor shows in the logits."""
+    torch.manual_seed(seed)
+    model = build_model(config, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return model
+
+
 @pytest.fixture
 def run(tiny_corpus, tmp_path):
     """A checkpoint of a d3 model (value embeddings on layers 0 and 2) with trained-looking weights."""
     tokenizer = Tokenizer.load(tiny_corpus[1])
     config = GPTConfig(sequence_len=32, vocab_size=tokenizer.vocab_size, n_layer=3, n_head=2, n_kv_head=1,
                        n_embd=64, window_pattern="SL")
-    torch.manual_seed(0)
-    model = build_model(config, "cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))  # no zero projections: every tensor shows in the logits
+    model = trained_looking_model(config, seed=0)
     meta = CheckpointMeta(step=STEP, model_config=dataclasses.asdict(config), vocab_size=tokenizer.vocab_size,
                           tokenizer_fingerprint=tokenizer.fingerprint, val_bpb=2.5,
                           plan={"total_batch_size": 1024},
@@ -161,11 +167,7 @@ def test_a_run_starts_from_nanochats_weights_and_a_rerun_resumes_its_own(ray_ses
                          "--window-pattern", "L"]
     config = GPTConfig(sequence_len=64, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_kv_head=2,
                        n_embd=64, window_pattern="L")
-    torch.manual_seed(1)
-    model = build_model(config, "cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
+    model = trained_looking_model(config, seed=1)
     nanochat_dir = tmp_path / "nanochat" / "base_checkpoints" / "d2"
     nanochat_dir.mkdir(parents=True)
     torch.save(model.state_dict(), nanochat_dir / "model_000300.pt")  # as nanochat's save_checkpoint does
