@@ -344,3 +344,31 @@ def test_help_explains_each_command(args, flags):
     done = run_cli(*args)
     assert done.returncode == 0
     assert all(flag in done.stdout for flag in flags)
+
+
+def test_nanochats_pickled_tokenizer_imports_with_its_ids_only_if_trusted(tok, tok_dir, corpus, tmp_path):
+    """nanochat's tokenizer.pkl (a pickled tiktoken Encoding, as nanochat and raychat.export write it)
+    -> raychat's files: the same ranks, specials and fingerprint, and HF merges recovered from the
+    ranks alone that are the ones training learned."""
+    from raychat.tokenizer.cli import main
+
+    source = tmp_path / "nanochat" / "tokenizer"
+    source.mkdir(parents=True)
+    with open(source / "tokenizer.pkl", "wb") as f:
+        pickle.dump(tok.encoding, f)
+    out = tmp_path / "imported"
+    with pytest.raises(RaychatError, match="is a pickle: loading it runs code .* add --trust-pickle"):
+        main(["import-nanochat", "--from", str(source), "--tokenizer-dir", str(out)])
+    assert not out.exists()
+    trusted = ["import-nanochat", "--from", str(source), "--tokenizer-dir", str(out), "--trust-pickle"]
+    assert main(trusted) == 0
+    imported = Tokenizer.load(out)
+    assert imported.fingerprint == tok.fingerprint and imported.vocab_size == tok.vocab_size
+    assert (out / HF_FILE).read_text() == (tok_dir / HF_FILE).read_text()  # the merges, in training's order
+    docs = all_texts(corpus)[:50]
+    assert [imported.encode(d) for d in docs] == [tok.encode(d) for d in docs]
+
+    with open(source / "tokenizer.pkl", "wb") as f:
+        pickle.dump({"not": "an encoding"}, f)
+    with pytest.raises(RaychatError, match="holds a dict, not nanochat's tiktoken Encoding"):
+        main(trusted)

@@ -1,4 +1,4 @@
-"""`python -m raychat.tokenizer`: train and evaluate a tokenizer (the command line on top of the
+"""`python -m raychat.tokenizer`: train, evaluate or import a tokenizer (the command line on top of the
 tokenizer modules; `raychat.tokenizer.core` runs this module's main, nothing else imports it).
 """
 
@@ -10,6 +10,7 @@ from raychat.corpus.index import iter_split_texts
 from raychat.storage import is_uri, normalize_location, redact
 from raychat.tokenizer.core import Tokenizer
 from raychat.tokenizer.evaluate import evaluate_tokenizer
+from raychat.tokenizer.nanochat import import_nanochat_tokenizer
 from raychat.tokenizer.train import MIN_VOCAB_SIZE, train_tokenizer
 
 DESCRIPTION = """\
@@ -18,6 +19,8 @@ pairs, special tokens <|bos|> and the chat tokens), trained with HF tokenizers, 
 
   python -m raychat.tokenizer train        # train on $RAYCHAT_HOME/data, save to $RAYCHAT_HOME/tokenizer
   python -m raychat.tokenizer eval         # bytes per token, vocabulary usage, speed on the val split
+  python -m raychat.tokenizer import-nanochat --from ~/.cache/nanochat/tokenizer --trust-pickle
+                                           # nanochat's tokenizer.pkl into raychat's format
 """
 EPILOG = """\
 No corpus yet? `python -m raychat.corpus sample --out DIR` writes one from text already on this
@@ -28,7 +31,7 @@ machine. `python -m raychat.train` trains a tokenizer by itself when --tokenizer
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m raychat.tokenizer", description=DESCRIPTION,
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,eval}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,eval,import-nanochat}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--data-dir", default="", help="corpus directory of shard_*.parquet "
                         "(default $RAYCHAT_HOME/data)")
@@ -51,11 +54,30 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-chars", type=int, default=50_000_000,
                           help="evaluate on at most this many characters (default 50,000,000)")
     evaluate.add_argument("--threads", type=int, default=0, help="encode threads (default 0 = every core)")
+    imported = commands.add_parser(
+        "import-nanochat", help="nanochat's tokenizer (a pickle) into raychat's format",
+        description="Write nanochat's tokenizer (NANOCHAT_BASE_DIR/tokenizer/tokenizer.pkl, a pickled "
+        "tiktoken Encoding) to --tokenizer-dir in raychat's format: the same ids, for --init-from-nanochat "
+        "or for training on nanochat's vocabulary. Loading a pickle runs code the file names: "
+        "--trust-pickle says the file comes from a nanochat run you trust.")
+    imported.add_argument("--from", dest="source", required=True,
+                          help="nanochat's tokenizer.pkl, or the directory holding it")
+    imported.add_argument("--tokenizer-dir", default="",
+                          help="where to write (default $RAYCHAT_HOME/tokenizer; a tokenizer there is "
+                          "replaced)")
+    imported.add_argument("--trust-pickle", action="store_true",
+                          help="load the pickle (it can run code): only for files from a run you trust")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "import-nanochat":
+        out = Path(args.tokenizer_dir).expanduser() if args.tokenizer_dir else default_tokenizer_dir()
+        tokenizer = import_nanochat_tokenizer(args.source, out, args.trust_pickle)
+        print(f"Wrote nanochat's tokenizer to {out} (vocab {tokenizer.vocab_size:,}, fingerprint "
+              f"{tokenizer.fingerprint})")
+        return 0
     data_dir = normalize_location(args.data_dir or str(default_data_dir()))  # a path or a bucket URI
     if args.command == "train":
         if is_uri(args.tokenizer_dir):

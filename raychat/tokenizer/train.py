@@ -162,6 +162,17 @@ def train_tokenizer(data_dir: str | Path, out_dir: str | Path, vocab_size: int =
         f"({stats.seconds_reading:.1f}s of it reading the corpus)")
 
     ranks, vocab, merges = _export(hf)
+    provenance = {"trained_on": {"data_dir": str(data_dir), "docs": stats.docs, "chars": stats.chars,
+                                 "max_chars": max_chars, "doc_cap": doc_cap, "seconds": round(seconds, 3)}}
+    tokenizer = write_tokenizer(out_dir, ranks, vocab, merges, provenance)
+    log(f"Saved tokenizer to {out_dir} (vocab {vocab_size:,}, fingerprint {tokenizer.fingerprint})")
+    return tokenizer
+
+
+def write_tokenizer(out_dir: Path, ranks: dict[bytes, int], vocab: dict[str, int],
+                    merges: list[tuple[str, str]], provenance: dict) -> Tokenizer:
+    """raychat's tokenizer files from ranks (token bytes -> id) and the same vocabulary and merges
+    as HF strings, with nanochat's special tokens after the ranks; returns the tokenizer loaded back."""
     specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
     exported = _hf_tokenizer(vocab, merges)
     exported.add_special_tokens(SPECIAL_TOKENS)
@@ -169,12 +180,11 @@ def train_tokenizer(data_dir: str | Path, out_dir: str | Path, vocab_size: int =
     token_bytes = np.array([len(token) for token in ranks] + [0] * len(specials), dtype=np.int32)
     meta = {
         "format": FORMAT_VERSION,
-        "vocab_size": vocab_size,
+        "vocab_size": len(ranks) + len(specials),
         "special_tokens": specials,
         "pattern": SPLIT_PATTERN,
         "fingerprint": compute_fingerprint(ranks_text, specials, SPLIT_PATTERN),
-        "trained_on": {"data_dir": str(data_dir), "docs": stats.docs, "chars": stats.chars,
-                       "max_chars": max_chars, "doc_cap": doc_cap, "seconds": round(seconds, 3)},
+        **provenance,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(out_dir / RANKS_FILE, ranks_text)
@@ -183,6 +193,4 @@ def train_tokenizer(data_dir: str | Path, out_dir: str | Path, vocab_size: int =
         np.save(buffer, token_bytes, allow_pickle=False)
         _write_atomic(out_dir / TOKEN_BYTES_FILE, buffer.getvalue())
     _write_atomic(out_dir / META_FILE, json.dumps(meta, indent=1).encode())
-    tokenizer = Tokenizer.load(out_dir)
-    log(f"Saved tokenizer to {out_dir} (vocab {vocab_size:,}, fingerprint {tokenizer.fingerprint})")
-    return tokenizer
+    return Tokenizer.load(out_dir)
