@@ -12,12 +12,18 @@ Parts, each printed as it finishes:
   against bench/loader.py's nanochat-style reference loader, B 32 x T 2048, same corpus.
 - correctness: the loss of one batch at d12, bf16 compiled against fp32 eager from the same
   weights (bf16 rounding moves a loss near ln(vocab) by well under 1%; a broken kernel moves it more).
+- save and resume: d20 at device batch 16 (what one GPU holds with room to spare), two training
+  steps, a sharded checkpoint saved and loaded back into a fresh model and optimizer; peak GPU
+  memory while training and the extra during the save (torch.cuda.max_memory_allocated) next to
+  the plan's estimate (raychat.memory), and the step after the resume bitwise equal to the step of
+  the model that never stopped.
 The dry run uses eager steps (FlexAttention has no CPU backward in torch 2.13, so SSSL runs as masked
 SDPA there), torchao's emulated fp8, a 2-layer model at T 256, a synthetic corpus, and compiles only
 the correctness check's forward: it proves the command runs, not how fast.
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -31,9 +37,14 @@ import torch
 
 from bench.loader import ReferenceLoader, corpus_and_tokenizer, reference_documents, timed
 from bench.step import REPO_ROOT, BenchConfig, launch, run_variant
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.reader import load_checkpoint
+from raychat.checkpoint.sharded import save_checkpoint
 from raychat.common import RaychatError, run_cli
+from raychat.memory import estimate_memory
 from raychat.model.gpt import build_model, gpt_config
 from raychat.model.precision import Precision
+from raychat.optim.muon_adamw import build_optimizer
 from raychat.tokenizer.core import Tokenizer
 
 GPU_CONFIGS = [
@@ -45,6 +56,7 @@ DRY_CONFIGS = [BenchConfig("tiny", 2, 2, 2 * 2 * 256, max_seq_len=256, head_dim=
 LOADER_SHAPE = (32, 2048)
 DRY_LOADER_SHAPE = (4, 256)
 CORRECTNESS_TOLERANCE = 0.01  # relative loss difference, bf16 compiled vs fp32 eager
+SAVE_CONFIG = BenchConfig("d20", 20, 16, -1, max_seq_len=2048, head_dim=128, window_pattern="SSSL")
 
 
 def step_variants(configs: list[BenchConfig], device: str, steps: int, warmup: int, tmp: str,
@@ -133,6 +145,68 @@ def correctness(config: BenchConfig, device: torch.device) -> dict:
     return {**losses, "relative_gap": gap, "tolerance": CORRECTNESS_TOLERANCE, "ok": ok}
 
 
+def _peak_bytes(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def save_resume(config: BenchConfig, device: torch.device, tmp: str) -> dict:
+    """Train two steps, save a sharded checkpoint, resume it into fresh objects, compare a step."""
+    model_config = gpt_config(config.depth, 64, config.head_dim, config.max_seq_len, config.vocab_size,
+                              config.window_pattern)
+    precision = Precision(torch.bfloat16 if device.type == "cuda" else torch.float32, None, False)
+    lrs = dict(embedding_lr=0.3, unembedding_lr=0.008, matrix_lr=0.02, scalar_lr=0.5, weight_decay=0.2)
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, config.vocab_size, (config.device_batch_size, config.max_seq_len + 1),
+                             generator=generator).to(device) for _ in range(3)]
+
+    def step(model, optimizer, batch) -> float:
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def fresh():
+        torch.manual_seed(0)
+        model = build_model(model_config, device, precision)
+        return model, build_optimizer(model, **lrs)
+
+    model, optimizer = fresh()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for batch in batches[:2]:
+        step(model, optimizer, batch)
+    train_peak = _peak_bytes(device)
+    directory = os.path.join(tmp, "checkpoint_000002")
+    t0 = time.perf_counter()
+    save_checkpoint(directory, model.state_dict(), optimizer.state_dict(),
+                    CheckpointMeta(step=2, model_config=dataclasses.asdict(model_config)).to_json())
+    save_s = time.perf_counter() - t0
+    save_peak = _peak_bytes(device)
+    t0 = time.perf_counter()
+    model_state, optim_state, _ = load_checkpoint(directory)
+    resumed, resumed_optimizer = fresh()
+    resumed.load_state_dict(model_state)
+    resumed_optimizer.load_state_dict(optim_state)
+    load_s = time.perf_counter() - t0
+    bitwise = step(model, optimizer, batches[2]) == step(resumed, resumed_optimizer, batches[2])
+    bitwise = bitwise and all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(),
+                                                                strict=True))
+    estimate = estimate_memory(model.num_scaling_params(), model_config.n_layer, model_config.n_embd,
+                               model_config.vocab_size, config.max_seq_len, config.device_batch_size, 1)
+    size = sum(f.stat().st_size for f in Path(directory).iterdir())
+    result = {"config": config.name, "checkpoint_bytes": size,
+              "save_s": save_s, "load_s": load_s, "train_peak_bytes": train_peak,
+              "save_extra_bytes": None if save_peak is None else save_peak - train_peak,
+              "predicted_device_bytes": estimate.device_total, "bitwise_after_resume": bitwise}
+    gib = 2**30
+    peaks = ("" if train_peak is None else f", peak {train_peak / gib:.1f} GiB training (plan "
+             f"{estimate.device_total / gib:.1f} GiB), +{(save_peak - train_peak) / gib:.2f} GiB in the save")
+    print(f"  save/resume ({config.name}): {size / 1e9:.2f} GB saved in {save_s:.1f} s, loaded in "
+          f"{load_s:.1f} s{peaks}; next step bitwise equal: {bitwise}", flush=True)
+    return result
+
+
 def markdown(report: dict) -> str:
     """The dated section for bench/RESULTS.md."""
     lines = [f"### {report['date']}: `python -m bench.gpu{' --dry-run' if report['dry_run'] else ''}` on "
@@ -150,6 +224,14 @@ def markdown(report: dict) -> str:
               f"{loader['cores']} cores). Correctness: fp32 eager {check['fp32_eager']:.5f} vs bf16 compiled "
               f"{check['bf16_compiled']:.5f} (relative gap {check['relative_gap']:.1e}, "
               f"{'ok' if check['ok'] else 'FAILED'}). Total {report['seconds']:.0f} s."]
+    saved = report["save_resume"]
+    if saved["train_peak_bytes"] is not None:
+        lines += ["", f"Save/resume {saved['config']}: {saved['checkpoint_bytes'] / 1e9:.2f} GB in "
+                  f"{saved['save_s']:.1f} s, loaded in {saved['load_s']:.1f} s; peak "
+                  f"{saved['train_peak_bytes'] / 2**30:.1f} GiB training against the plan's "
+                  f"{saved['predicted_device_bytes'] / 2**30:.1f} GiB, "
+                  f"+{saved['save_extra_bytes'] / 2**30:.2f} GiB during the save; next step bitwise: "
+                  f"{saved['bitwise_after_resume']}."]
     return "\n".join(lines)
 
 
@@ -180,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         loader = loader_rates(Path(tmp), DRY_LOADER_SHAPE if args.dry_run else LOADER_SHAPE,
                               2.0 if args.dry_run else 10.0, args.dry_run)
         check = correctness(configs[0], device)
+        saved = save_resume(configs[0] if args.dry_run else SAVE_CONFIG, device, tmp)
     report = {"date": date, "dry_run": args.dry_run, "torch": torch.__version__,
               "device_name": "CPU" if args.dry_run else torch.cuda.get_device_name(device),
-              "steps": steps, "loader": loader, "correctness": check, "seconds": time.time() - start}
+              "steps": steps, "loader": loader, "correctness": check, "save_resume": saved,
+              "seconds": time.time() - start}
     if args.out:
         out = Path(args.out)
     elif os.environ.get("OUT"):
@@ -192,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {out}\n\nFor bench/RESULTS.md:\n\n{markdown(report)}", flush=True)
-    return 0 if check["ok"] else 1
+    return 0 if check["ok"] and saved["bitwise_after_resume"] else 1
 
 
 if __name__ == "__main__":

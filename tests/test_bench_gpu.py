@@ -26,6 +26,9 @@ def test_dry_run_writes_every_part(tmp_path):
         assert 6 < r["losses"][0] < 8  # ln(1024) = 6.93 at init: a real forward ran
     loader = report["loader"]
     assert loader["raychat_tok_per_sec"] > 0 and loader["reference_tok_per_sec"] > 0
+    saved = report["save_resume"]  # a sharded save and resume: the next step is the same to the bit
+    assert saved["bitwise_after_resume"] is True and saved["checkpoint_bytes"] > 0
+    assert saved["predicted_device_bytes"] > 0 and saved["train_peak_bytes"] is None  # no GPU peak on CPU
     check = report["correctness"]
     assert check["ok"] and check["fp32_eager"] != check["bf16_compiled"]  # two different computations
     assert "| tiny | SSSL |" in done.stdout and "For bench/RESULTS.md" in done.stdout
