@@ -187,6 +187,9 @@ def interrupted_sweep(ray_session, tiny_corpus, s3_endpoint, tmp_path_factory):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    # What had finished when the Ctrl-C took effect, as Tune saved it (another trial may have finished
+    # between the poll above and the signal).
+    finished = [t for t, s in _trial_status(experiment).items() if s == "TERMINATED"]
     before = {t: experiment.child(t).read_bytes("result.json") for t in finished}
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ray_session.driver_env())
     report = subprocess.run([sys.executable, "-m", "tune.report", "--name", "tiny",
