@@ -192,16 +192,17 @@ def save_resume(config: BenchConfig, device: torch.device, tmp: str) -> dict:
     bitwise = step(model, optimizer, batches[2]) == step(resumed, resumed_optimizer, batches[2])
     bitwise = bitwise and all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(),
                                                                 strict=True))
-    estimate = estimate_memory(model.num_scaling_params(), model_config.n_layer, model_config.n_embd,
-                               model_config.vocab_size, config.max_seq_len, config.device_batch_size, 1)
+    # the step above: eager, one micro-batch of device_batch_size rows, one rank
+    estimate = estimate_memory(model_config, model.num_scaling_params(), config.device_batch_size, 1, 1,
+                               precision.dtype.itemsize, compiled=False)
     size = sum(f.stat().st_size for f in Path(directory).iterdir())
     result = {"config": config.name, "checkpoint_bytes": size,
               "save_s": save_s, "load_s": load_s, "train_peak_bytes": train_peak,
               "save_extra_bytes": None if save_peak is None else save_peak - train_peak,
-              "predicted_device_bytes": estimate.device_total, "bitwise_after_resume": bitwise}
+              "predicted_device_bytes": estimate.peak, "bitwise_after_resume": bitwise}
     gib = 2**30
     peaks = ("" if train_peak is None else f", peak {train_peak / gib:.1f} GiB training (plan "
-             f"{estimate.device_total / gib:.1f} GiB), +{(save_peak - train_peak) / gib:.2f} GiB in the save")
+             f"{estimate.peak / gib:.1f} GiB), +{(save_peak - train_peak) / gib:.2f} GiB in the save")
     print(f"  save/resume ({config.name}): {size / 1e9:.2f} GB saved in {save_s:.1f} s, loaded in "
           f"{load_s:.1f} s{peaks}; next step bitwise equal: {bitwise}", flush=True)
     return result

@@ -46,7 +46,7 @@ from raychat.model.flops import mfu, peak_flops
 from raychat.model.gpt import build_model
 from raychat.model.precision import DTYPES, Precision, auto_dtype
 from raychat.optim.muon_adamw import build_optimizer
-from raychat.scaling import micro_batch_sizes, resolve_plan
+from raychat.scaling import Plan, micro_batch_sizes, resolve_plan
 
 # nanochat's own base_train at configurations A and B, measured 2026-11-30 on 2 cores without bf16
 # instructions, torch 2.13.0 CPU, compiled: median tok/s and seconds to the first step with a cold /
@@ -66,6 +66,14 @@ class BenchConfig:
     head_dim: int = 64
     window_pattern: str = "L"
     vocab_size: int = 32768
+
+    def plan(self) -> tuple[TrainConfig, Plan]:
+        """The run this configuration is (one worker, a nominal horizon) and its resolved plan."""
+        cfg = TrainConfig(depth=self.depth, head_dim=self.head_dim, max_seq_len=self.max_seq_len,
+                          window_pattern=self.window_pattern, device_batch_size=self.device_batch_size,
+                          total_batch_size=self.total_batch_size, vocab_size=self.vocab_size,
+                          num_iterations=1000)
+        return cfg, resolve_plan(cfg, self.vocab_size)
 
     def describe(self) -> str:
         total = "auto" if self.total_batch_size == -1 else f"{self.total_batch_size}"
@@ -137,11 +145,13 @@ def matmul_floor_s(model: torch.nn.Module, rows_per_micro_batch: list[int], dtyp
 
 
 def run_variant(config: BenchConfig, mode: str, device_name: str, steps: int, warmup: int,
-                launched_at: float, dtype: str = "auto", fp8_recipe: str | None = None, log=print) -> dict:
+                launched_at: float, dtype: str = "auto", fp8_recipe: str | None = None, log=print,
+                matmul_ceiling: bool = True) -> dict:
     """Build the model and optimizer as a raychat worker does, run warmup + steps optimizer steps on
     random batches, return the timings (seconds) and the first losses. dtype: auto, bf16 or fp32
     (not checked against the CPU: the bench measures what the trainer refuses); fp8_recipe: torchao's
-    float8 training, emulated off CUDA."""
+    float8 training, emulated off CUDA; matmul_ceiling: also time the step's matmuls alone on the CPU
+    (`matmul_floor_s`: its [rows, vocab] operands would dominate a memory measurement)."""
     device = torch.device(device_name)
     precision = Precision(auto_dtype(device) if dtype == "auto" else DTYPES[dtype], fp8_recipe,
                           fp8_emulate=device.type != "cuda")
@@ -151,11 +161,7 @@ def run_variant(config: BenchConfig, mode: str, device_name: str, steps: int, wa
         if cuda:
             torch.cuda.synchronize(device)
 
-    cfg = TrainConfig(depth=config.depth, head_dim=config.head_dim, max_seq_len=config.max_seq_len,
-                      window_pattern=config.window_pattern, device_batch_size=config.device_batch_size,
-                      total_batch_size=config.total_batch_size, vocab_size=config.vocab_size,
-                      num_iterations=1000)
-    plan = resolve_plan(cfg, config.vocab_size)
+    cfg, plan = config.plan()
     T = config.max_seq_len
     torch.manual_seed(0)
     build_start = time.perf_counter()
@@ -228,7 +234,7 @@ def run_variant(config: BenchConfig, mode: str, device_name: str, steps: int, wa
         # the first step's excess over a steady one: compilation, for a compiled model
         "compile_s": max(0.0, first_step_s - statistics.median(step_s)) if mode == "compile" else 0.0,
     }
-    if mode == "eager" and not cuda:  # the same for every mode; on GPUs MFU is the figure
+    if matmul_ceiling and mode == "eager" and not cuda:  # the same for every mode; on GPUs MFU is the figure
         micro_rows = [sl.stop - sl.start for sl in slices]
         floor_s = matmul_floor_s(model, [n * T for n in micro_rows], precision.dtype, device)
         result.update(matmul_floor_s=floor_s, matmul_ceiling_tok_per_sec=plan.total_batch_size / floor_s)

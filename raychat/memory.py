@@ -1,30 +1,61 @@
-"""How much device memory one rank of a run needs, before the run starts: an estimate from the plan.
+"""How much memory one rank of a run needs, before the run starts: an estimate from the plan.
 
 Why: a run that does not fit fails at its first step or its first save, minutes to hours after the
 launch; the plan knows every size that decides it. Per rank, with N parameters of which A are
-trained by AdamW and M by Muon, at W ranks:
+trained by AdamW and M by Muon, at W ranks, in bytes:
 
-    parameters     4 N                 fp32 (raychat keeps fp32 master weights; compute may be bf16)
+    parameters     4 N                 fp32 master weights (compute may be bf16)
     gradients      4 N                 full gradients on every rank (reduce-scattered at the step)
     optimizer      (8 A + 4 M) / W     AdamW's two moments, Muon's momentum, sharded ZeRO-style
                                        (Muon's factored second moment, one value per row, is left out)
     step buffers   4 M + 4 A / W       a Muon group's stacked matrices (its all-gather buffer) and the
                                        reduce-scattered AdamW shards, alive during the step
-    activations    L x 34 B T d bf16 bytes per layer (Korthikanti et al. 2022, attention without the
-                   T^2 scores: flash/SDPA/FlexAttention) + 8 B T V for the fp32 logits and their
-                   gradient (the compiled loss; eager runs chunk them and need less)
+    activations    what autograd keeps for the backward of one micro-batch (below)
+    transients     the forward's short-lived peak on top of them: the loss's logits
 
-with B the device batch (rows per micro-batch), T the sequence length, d the width, L the depth and V
-the vocabulary. A save needs no device memory: each rank copies its own share of the state,
-(4 N + 8 A + 4 M) / W bytes, into host buffers (raychat.checkpoint.saver). The estimate ignores the
-CUDA context and allocator fragmentation (typically 1-3 GiB), so "fits" keeps a 10% margin.
+The parts are not all alive at once. Gradients exist from the backward to the optimizer step
+(zero_grad sets them to None), the step buffers only during the step, the activations only from
+the forward to the backward. So the peak is
+
+    parameters + optimizer + max(activations + transients (+ gradients when a step has several
+                                 micro-batches: the earlier ones' gradients wait for the step),
+                                 gradients + step buffers)
+
+Activations, per micro-batch of B rows of T tokens, width C, L layers, compute dtype of b bytes
+(2 bf16, 4 fp32), V the padded vocabulary:
+- eager (the CPU path, and GPUs with --compile off), counted from raychat.model.gpt's forward and
+  checked against autograd's own saved-tensor count (tests/test_memory.py): per layer and token
+  channel 15 b bytes (q, k, v and the attention output; the relu output and its square, 4 C wide
+  each; the normed input and the attention's projection input; the residual the lambdas scale)
+  plus 16 (four fp32 RMSNorm inputs: PyTorch's rms_norm keeps its input upcast to fp32), value
+  embeddings b per channel on alternate layers, 8 + 4 b for the embedding, smear, final norm and
+  the loss's dL/dx; every block weight once more in the compute dtype when that is not fp32 (the
+  Linear's cast, kept for the backward); and the fused loss's fp32 dL/dW of lm_head, 4 V C. Its
+  transients are the loss's chunk buffers (raychat.model.loss: fp32 logits and exponentials of
+  n = min(B T, chunk) rows, plus a compute-dtype copy) and the lm_head weight in the compute dtype
+  with its gradient's product (2 b + 4 bytes per weight when b < 4).
+- compiled (GPUs): 34 B T C b/2 per layer (Korthikanti et al. 2022, attention without the T^2
+  scores: flash/SDPA/FlexAttention; inductor fuses the elementwise chain) with 8 B T V transients
+  for the fp32 logits and their gradient (the plain loss chain, which inductor fuses). Not yet
+  checked against a GPU's torch.cuda.max_memory_allocated (python -m bench.gpu prints both).
+
+A save needs no device memory: each rank copies its own share of the state, (4 N + 8 A + 4 M) / W
+bytes, into host buffers (raychat.checkpoint.saver). The estimate counts what the allocator hands
+out: on GPUs the CUDA context and the caching allocator's fragmentation (typically 1-3 GiB) come on
+top, so "fits" keeps a 10% margin; on CPUs glibc keeps freed heap pages resident, so peak RSS is
+1.2-1.7x this figure (bench/memory.py measures both; bench/RESULTS.md, "Memory").
 """
 
 from dataclasses import asdict, dataclass
 
+from raychat.model.gpt import GPTConfig, has_value_embedding
+from raychat.model.loss import chunk_rows_for
+from raychat.scaling import Plan
+
 GIB = 2**30
 MARGIN = 0.9  # fraction of the device the estimate may fill: context and fragmentation take the rest
-ACTIVATION_BYTES_PER_LAYER_TOKEN_WIDTH = 34
+COMPILED_ACTIVATION_BYTES_PER_LAYER_TOKEN_WIDTH = 34  # bf16 (Korthikanti et al. 2022)
+EAGER_BYTES_PER_LAYER_TOKEN_WIDTH = (15, 16)  # (times the compute dtype's bytes, fp32 bytes)
 
 # Usable memory of known devices (GiB, as torch reports it), by the same names as the FLOPs table.
 GPU_MEMORY_GIB: dict[str, float] = {
@@ -36,39 +67,88 @@ GPU_MEMORY_GIB: dict[str, float] = {
 
 @dataclass
 class MemoryEstimate:
-    """Bytes one rank needs on its device, by part; `save_host` is host memory for a save."""
+    """Bytes one rank needs, by part (see the module docstring); `save_host` is host memory."""
 
     parameters: int
     gradients: int
     optimizer: int
     step_buffers: int
     activations: int
+    transients: int
+    accumulates: bool  # several micro-batches per step: gradients live through the later forwards
     save_host: int
 
     @property
-    def device_total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.step_buffers + self.activations
+    def peak(self) -> int:
+        compute = self.activations + self.transients + (self.gradients if self.accumulates else 0)
+        return self.parameters + self.optimizer + max(compute, self.gradients + self.step_buffers)
 
-    def to_json(self) -> dict[str, int]:
-        return {**asdict(self), "device_total": self.device_total}
+    def to_json(self) -> dict[str, int | bool]:
+        return {**asdict(self), "peak": self.peak}
 
 
-def estimate_memory(params: dict[str, int], n_layer: int, n_embd: int, vocab_size: int, seq_len: int,
-                    device_batch_size: int, world_size: int) -> MemoryEstimate:
+def activation_bytes(config: GPTConfig, rows: int, compute_bytes: int, compiled: bool,
+                     matrix_params: int) -> tuple[int, int]:
+    """(activations kept for the backward, forward transients) of one micro-batch of `rows` rows."""
+    tokens = rows * config.sequence_len
+    width, vocab = config.n_embd, config.padded_vocab_size
+    if compiled:
+        per_layer = COMPILED_ACTIVATION_BYTES_PER_LAYER_TOKEN_WIDTH * compute_bytes // 2
+        return config.n_layer * per_layer * tokens * width, 8 * tokens * config.vocab_size
+    b = compute_bytes
+    low = b if b < 4 else 0  # the bytes of a compute-dtype copy, where it is a copy and not the tensor
+    per_channel, fp32 = EAGER_BYTES_PER_LAYER_TOKEN_WIDTH
+    value_layers = sum(has_value_embedding(i, config.n_layer) for i in range(config.n_layer))
+    kv_width = config.n_kv_head * config.head_dim
+    saved = (tokens * width * (config.n_layer * (per_channel * b + fp32) + 8 + 4 * b)
+             + value_layers * tokens * kv_width * b + low * matrix_params + 4 * vocab * width)
+    chunk = min(tokens, chunk_rows_for(config.vocab_size))
+    transients = chunk * config.vocab_size * (8 + low) + vocab * width * (2 * low + (4 if low else 0))
+    return saved, transients
+
+
+def estimate_memory(config: GPTConfig, params: dict[str, int], micro_batch_rows: int, micro_batches: int,
+                    world_size: int, compute_bytes: int, compiled: bool) -> MemoryEstimate:
     """The estimate above for a model with `params` counts by group (GPT.num_scaling_params)."""
     total = params["total"]
     muon = params["transformer_matrices"]
     adamw = total - muon
-    tokens = device_batch_size * seq_len
+    activations, transients = activation_bytes(config, micro_batch_rows, compute_bytes, compiled, muon)
     return MemoryEstimate(
         parameters=4 * total,
         gradients=4 * total,
         optimizer=(8 * adamw + 4 * muon) // world_size,
         step_buffers=4 * muon + 4 * adamw // world_size,
-        activations=(n_layer * ACTIVATION_BYTES_PER_LAYER_TOKEN_WIDTH * tokens * n_embd
-                     + 8 * tokens * vocab_size),
+        activations=activations,
+        transients=transients,
+        accumulates=micro_batches > 1,
         save_host=(4 * total + 8 * adamw + 4 * muon) // world_size,
     )
+
+
+def plan_memory(plan: Plan, compute_bytes: int, compiled: bool) -> MemoryEstimate:
+    """The estimate for the busiest rank of `plan` (the one with the most rows per step)."""
+    rows_per_rank = -(-plan.rows_per_step // plan.world_size)
+    return estimate_memory(plan.model, plan.params, min(plan.device_batch_size, rows_per_rank),
+                           plan.grad_accum_steps, plan.world_size, compute_bytes, compiled)
+
+
+@dataclass
+class EmbeddingTables:
+    """The token and value embedding tables' bytes per rank: raychat's fp32 against nanochat's bf16."""
+
+    params: int
+    fp32_bytes: int  # weights, gradients, AdamW moments (sharded)
+    bf16_bytes: int  # the same in bf16, as nanochat keeps them (its AdamW moments follow the weights)
+
+    @property
+    def saving(self) -> int:
+        return self.fp32_bytes - self.bf16_bytes
+
+
+def embedding_tables(params: dict[str, int], world_size: int) -> EmbeddingTables:
+    n = params["wte"] + params["value_embeds"]
+    return EmbeddingTables(n, 4 * n + 4 * n + 8 * n // world_size, 2 * n + 2 * n + 4 * n // world_size)
 
 
 def gpu_memory_gib(name: str) -> float | None:
@@ -78,15 +158,21 @@ def gpu_memory_gib(name: str) -> float | None:
     return GPU_MEMORY_GIB[max(matches, key=len)] if matches else None
 
 
-def format_memory(estimate: MemoryEstimate, device_gib: float | None, device: str) -> list[str]:
-    """The plan's memory section: each part in GiB, then whether it fits `device`."""
+def format_memory(estimate: MemoryEstimate, tables: EmbeddingTables, mode: str, device_gib: float | None,
+                  device: str) -> list[str]:
+    """The plan's memory section: each part in GiB, the peak, the embeddings' share, whether it fits."""
     rows = [("parameters (fp32)", estimate.parameters), ("gradients (fp32)", estimate.gradients),
             ("optimizer shard", estimate.optimizer), ("optimizer step buffers", estimate.step_buffers),
-            ("activations", estimate.activations), ("total per device", estimate.device_total),
-            ("save (host memory)", estimate.save_host)]
-    lines = ["memory per rank (estimate)"] + [f"  {key:<28}{value / GIB:,.2f} GiB" for key, value in rows]
+            ("activations (a micro-batch)", estimate.activations),
+            ("forward transients", estimate.transients),
+            ("peak per device", estimate.peak), ("save (host memory)", estimate.save_host)]
+    lines = [f"memory per rank (estimate, {mode})"]
+    lines += [f"  {key:<30}{value / GIB:,.2f} GiB" for key, value in rows]
+    lines.append(f"  {'embedding tables':<30}{tables.fp32_bytes / GIB:,.2f} GiB of it (fp32, with gradients "
+                 f"and AdamW state); in bf16 as nanochat keeps them {tables.bf16_bytes / GIB:,.2f} GiB, "
+                 f"{tables.saving / max(estimate.peak, 1):.1%} off the peak")
     if device_gib is not None:
-        share = estimate.device_total / GIB / device_gib
+        share = estimate.peak / GIB / device_gib
         if share <= MARGIN:
             lines.append(f"  fits {device} ({device_gib:g} GiB): {share:.0%} of it")
         else:

@@ -8,13 +8,17 @@ with no data, no GPU and no Ray, so a run can be sized before it is launched.
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
+
+import torch
 
 from raychat.common import RaychatError, default_data_dir, default_tokenizer_dir, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.corpus.index import list_shards
 from raychat.data.budget import budget_lines, corpus_budget
-from raychat.memory import GPU_MEMORY_GIB, estimate_memory, format_memory, gpu_memory_gib
+from raychat.memory import GPU_MEMORY_GIB, embedding_tables, format_memory, gpu_memory_gib, plan_memory
+from raychat.model.precision import DTYPES, run_auto_dtype
 from raychat.scaling import format_plan, resolve_plan
 from raychat.tokenizer.core import META_FILE, Tokenizer
 
@@ -54,6 +58,19 @@ def device_memory(gpu: str, gpu_memory: float) -> tuple[float | None, str]:
     return gib, gpu
 
 
+def memory_mode(cfg: TrainConfig, on_gpu: bool) -> tuple[int, bool, str]:
+    """(compute dtype bytes, compiled, label) of the step the memory estimate describes: a GPU's when the
+    plan is checked against one (or runs on one), else this CPU's."""
+    if on_gpu:
+        compute_bytes, compiled = (4 if cfg.dtype == "fp32" else 2), cfg.compile != "off"
+    else:
+        dtype = run_auto_dtype(torch.device("cpu"))[0] if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        compute_bytes, compiled = dtype.itemsize, cfg.compile == "on"
+    where = "GPU" if on_gpu else "CPU"
+    return compute_bytes, compiled, f"{where}, {'bf16' if compute_bytes == 2 else 'fp32'}, " + (
+        "compiled" if compiled else "eager")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m raychat.plan",
@@ -79,16 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     budget = None
     if data_dir.is_dir() and list_shards(data_dir) and (tokenizer_dir / META_FILE).is_file():
         budget = corpus_budget(plan.total_tokens, data_dir, Tokenizer.load(tokenizer_dir))
-    memory = estimate_memory(plan.params, plan.model.n_layer, plan.model.n_embd, plan.model.vocab_size,
-                             plan.model.sequence_len, plan.device_batch_size, world_size)
     device_gib, device = device_memory(args.gpu, args.gpu_memory)
+    on_gpu = device_gib is not None or torch.cuda.is_available()
+    compute_bytes, compiled, mode = memory_mode(cfg, on_gpu)
+    memory = plan_memory(plan, compute_bytes, compiled)
+    tables = embedding_tables(plan.params, world_size)
     if args.json:
-        print(json.dumps({**plan.to_json(), "vocab_source": vocab_source, "memory": memory.to_json(),
+        print(json.dumps({**plan.to_json(), "vocab_source": vocab_source,
+                          "memory": {**memory.to_json(), "mode": mode, "embedding_tables": asdict(tables)},
                           "corpus": budget.to_json() if budget else None}))
     else:
         print(f"raychat plan for {cfg.tag} (vocab size from {vocab_source})")
         print(format_plan(plan))
-        print("\n".join(format_memory(memory, device_gib, device)))
+        print("\n".join(format_memory(memory, tables, mode, device_gib, device)))
         for line in budget_lines(budget) if budget else [f"corpus: none sized yet (needs a corpus in "
                                                         f"{data_dir} and a tokenizer in {tokenizer_dir})"]:
             print(line)
