@@ -232,9 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         raise RaychatError("--depths needs at least one depth >= 1 and --steps must be at least 1")
     args.vocab_size, args.seq_len = (4096, 128) if args.quick else (32768, 512)
     args.steps = 1 if args.quick else args.steps
-    # The only S3 here is the local moto server: fake credentials, no instance-metadata lookups.
-    os.environ.update(AWS_ACCESS_KEY_ID="raychat-bench", AWS_SECRET_ACCESS_KEY="raychat-bench",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
 

@@ -15,12 +15,16 @@ state came back bit for bit. It prints one JSON object per W:
   step_s                        one training step of the same model, for the stall / step ratio
   peak_rss_delta_save_max_rank  extra host memory of the worst rank during the save, over its
                                 peak after the training step (ru_maxrss, KiB resolution)
+  save_host_bytes_max_rank      the host buffers the worst rank's save snapshot fills (its share)
   bitwise                       every rank's model and optimizer state equal after the resume
 
+Each world size runs on local disk and on S3 (moto's server, started here on 127.0.0.1; --storage).
 Bytes are the checkpoint layer's own counters (raychat.checkpoint.shardfile.io_count: every byte
-a rank file writes or a verified read returns), plus the storage layer's reads for the driver.
+a rank file writes or a verified read returns); the driver's are the kernel's (bench.checkpoint's
+os_bytes: /proc/self/io locally, loopback traffic on S3).
 The targets (issue 19) are checked and printed beside the numbers: per-rank writes and reads
-<= 1.5 x checkpoint / W + the model's share; resume total <= 1.1 x checkpoint; driver <= 1 MB.
+<= 1.5 x checkpoint / W + the model's share; resume total <= 1.1 x checkpoint; driver <= 1 MB;
+a save's host memory <= 1.5 x checkpoint / W; the stall <= one step.
 
     python -m bench.checkpoint_scale --workers 1,2,4 --depth 6 --json
 """
@@ -38,12 +42,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raychat.checkpoint.format import damage, latest_valid_checkpoint, read_meta
+from bench.checkpoint import os_bytes
+from bench.s3_server import start_moto
+from raychat.checkpoint.format import damage, latest_valid_checkpoint, read_manifest, read_meta
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.resume import Restore
 from raychat.checkpoint.saver import CheckpointSaver
 from raychat.checkpoint.shardfile import io_count
-from raychat.common import run_cli
+from raychat.common import RaychatError, run_cli
 from raychat.model.gpt import build_model, gpt_config
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
@@ -51,7 +57,8 @@ from raychat.storage import Storage
 
 VOCAB, SEQ, ROWS, STEP = 8192, 256, 4, 1
 MB_FIELDS = ("checkpoint_bytes", "written_bytes_max_rank", "read_bytes_max_rank", "read_bytes_total",
-             "peak_rss_delta_save_max_rank")
+             "peak_rss_delta_save_max_rank", "save_host_bytes_max_rank")
+BUCKET = "raychat-bench"
 
 
 def _build(depth: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -84,7 +91,7 @@ def _states_equal(a: tuple, b: tuple, world: int, rank: int) -> bool:
     return plain_a == plain_b and same_pieces and all(torch.equal(x, y) for x, y in models)
 
 
-def _rank(rank: int, world: int, depth: int, tmp: str) -> None:
+def _rank(rank: int, world: int, depth: int, tmp: str, run_uri: str) -> None:
     torch.set_num_threads(1)
     tmp_dir = Path(tmp)
     if world > 1:
@@ -98,7 +105,7 @@ def _rank(rank: int, world: int, depth: int, tmp: str) -> None:
         dist.all_gather_object(out, obj)
         return out
 
-    run = Storage(str(tmp_dir / "run"))
+    run = Storage(run_uri)
     model, optimizer = _build(depth)
     step_s = _train_step(model, optimizer, world, rank)
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -112,6 +119,7 @@ def _rank(rank: int, world: int, depth: int, tmp: str) -> None:
     meta = CheckpointMeta(step=STEP, model_config={}, world_size=world) if rank == 0 else None
     saver.save(STEP, pieces, token, meta, extra=plain)
     stall = time.perf_counter() - t0
+    host_bytes = saver.writer.buffer_bytes
     saver.close()
     written = io_count.written - written0
     peak_delta = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before
@@ -126,46 +134,46 @@ def _rank(rank: int, world: int, depth: int, tmp: str) -> None:
     read = io_count.read - read0
     bitwise = _states_equal((model, optimizer), resumed, world, rank)
     result = {"rank": rank, "written": written, "read": read, "stall_s": stall, "step_s": step_s,
-              "peak_rss_delta_kib": peak_delta, "bitwise": bitwise}
+              "peak_rss_delta_kib": peak_delta, "save_host_bytes": host_bytes, "bitwise": bitwise}
     (tmp_dir / f"rank{rank}.json").write_text(json.dumps(result))
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
 
 
-def driver_check_bytes(checkpoint: Storage) -> int:
-    """Bytes the driver's pre-flight reads: the manifest and sizes (damage) and meta.json."""
-    read0 = _storage_reads()
+def driver_check_bytes(checkpoint: Storage, storage: str) -> int:
+    """Bytes the driver's pre-flight reads (the manifest and sizes: damage; meta.json), as the kernel
+    counts them: this process's reads on local disk, loopback traffic (HTTP included) on S3."""
+    read0, _ = os_bytes(storage)
     damage(checkpoint, deep=False)
     read_meta(checkpoint)
-    return _storage_reads() - read0
+    return os_bytes(storage)[0] - read0
 
 
-def _storage_reads() -> int:
-    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return int(fields["rchar"])
-
-
-def measure(world: int, depth: int) -> dict:
+def measure(world: int, depth: int, storage: str, endpoint: str | None) -> dict:
+    """One world size on `storage` (local or s3: a fresh prefix in the bench's moto bucket)."""
     tmp = tempfile.mkdtemp(prefix="raychat-ckpt-scale-")
+    run_uri = (str(Path(tmp) / "run") if storage == "local" else
+               f"s3://{BUCKET}/scale-{world}-{time.time_ns()}?endpoint_override={endpoint}&scheme=http")
     try:
         if world == 1:
-            _rank(0, 1, depth, tmp)
+            _rank(0, 1, depth, tmp, run_uri)
         else:
-            mp.spawn(_rank, args=(world, depth, tmp), nprocs=world, join=True)
+            mp.spawn(_rank, args=(world, depth, tmp, run_uri), nprocs=world, join=True)
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
-        directory = Storage(str(Path(tmp) / "run")).child("checkpoint_000001")
-        size = sum(f.stat().st_size for f in Path(directory.root).iterdir())
+        directory = Storage(run_uri).child("checkpoint_000001")
+        size = sum(entry["bytes"] for entry in read_manifest(directory).values())
         model_bytes = sum(t.numel() * t.element_size() for t in _build(depth)[0].state_dict().values())
         return {
-            "workers": world, "depth": depth, "checkpoint_bytes": size,
+            "workers": world, "depth": depth, "storage": storage, "checkpoint_bytes": size,
             "written_bytes_max_rank": max(r["written"] for r in ranks),
             "read_bytes_total": sum(r["read"] for r in ranks),
             "read_bytes_max_rank": max(r["read"] for r in ranks),
-            "driver_read_bytes": driver_check_bytes(directory),
+            "driver_read_bytes": driver_check_bytes(directory, storage),
             "save_stall_s": round(max(r["stall_s"] for r in ranks), 4),
             "step_s": round(max(r["step_s"] for r in ranks), 4),
             "peak_rss_delta_save_max_rank": 1024 * max(r["peak_rss_delta_kib"] for r in ranks),
+            "save_host_bytes_max_rank": max(r["save_host_bytes"] for r in ranks),
             "bitwise": all(r["bitwise"] for r in ranks),
             "model_share_bytes": model_bytes // world,
         }
@@ -180,7 +188,20 @@ def targets(r: dict) -> dict[str, bool]:
             "read_per_rank": r["read_bytes_max_rank"] <= per_rank,
             "read_total": r["read_bytes_total"] <= 1.1 * r["checkpoint_bytes"],
             "driver": r["driver_read_bytes"] <= 1_000_000,
+            "save_host_memory": max(r["peak_rss_delta_save_max_rank"], r["save_host_bytes_max_rank"])
+            <= 1.5 * r["checkpoint_bytes"] / r["workers"],
             "stall_under_a_step": r["save_stall_s"] <= r["step_s"]}
+
+
+def describe(row: dict) -> str:
+    ok = ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in row["targets_met"].items())
+    mb = {k: row[k] / 1e6 for k in MB_FIELDS}
+    return (f"W={row['workers']} ({row['storage']}): checkpoint {mb['checkpoint_bytes']:.1f} MB, max rank "
+            f"wrote {mb['written_bytes_max_rank']:.1f} MB and read {mb['read_bytes_max_rank']:.1f} MB, all "
+            f"ranks read {mb['read_bytes_total']:.1f} MB, driver {row['driver_read_bytes']:,} B, stall "
+            f"{row['save_stall_s']:.3f}s vs step {row['step_s']:.3f}s, save host buffers "
+            f"{mb['save_host_bytes_max_rank']:.1f} MB (RSS +{mb['peak_rss_delta_save_max_rank']:.1f} MB over "
+            f"the training peak), bitwise {row['bitwise']}; {ok}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,21 +211,24 @@ def main(argv: list[str] | None = None) -> int:
                     "save stall and host memory, at several world sizes (gloo processes on this CPU).")
     parser.add_argument("--workers", default="1,2,4", help="comma-separated world sizes (default 1,2,4)")
     parser.add_argument("--depth", type=int, default=6, help="model depth (width 64 x depth; default 6)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per world size only")
+    parser.add_argument("--storage", default="local,s3", help="where the run lives, comma-separated: local "
+                        "(a temp dir) and/or s3 (moto's S3 server, started here on 127.0.0.1; default both)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per row only")
     args = parser.parse_args(argv)
-    for world in [int(w) for w in args.workers.split(",")]:
-        row = measure(world, args.depth)
-        row["targets_met"] = targets(row)
-        if args.json:
-            print(json.dumps(row), flush=True)
-        else:
-            ok = ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in row["targets_met"].items())
-            mb = {k: row[k] / 1e6 for k in MB_FIELDS}
-            print(f"W={world}: checkpoint {mb['checkpoint_bytes']:.1f} MB, max rank wrote "
-                  f"{mb['written_bytes_max_rank']:.1f} MB and read {mb['read_bytes_max_rank']:.1f} MB, all "
-                  f"ranks read {mb['read_bytes_total']:.1f} MB, driver {row['driver_read_bytes']:,} B, stall "
-                  f"{row['save_stall_s']:.3f}s vs step {row['step_s']:.3f}s, save RSS "
-                  f"+{mb['peak_rss_delta_save_max_rank']:.1f} MB, bitwise {row['bitwise']}; {ok}", flush=True)
+    storages = [s.strip() for s in args.storage.split(",") if s.strip()]
+    if not storages or set(storages) - {"local", "s3"}:
+        raise RaychatError(f"--storage takes local and/or s3, got {args.storage!r}")
+    server, endpoint = start_moto(BUCKET) if "s3" in storages else (None, None)
+    try:
+        for storage in storages:
+            for world in [int(w) for w in args.workers.split(",")]:
+                row = measure(world, args.depth, storage, endpoint)
+                row["targets_met"] = targets(row)
+                print(json.dumps(row) if args.json else describe(row), flush=True)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
     return 0
 
 

@@ -209,8 +209,6 @@ def compare_bucket(index: CorpusIndex, tokenizer_dir: str, args) -> None:
         _, n, local_seconds, _, _ = timed(lambda: loader.next_rows(B), 5, seconds=args.seconds)
     local_rate = n * B * T / local_seconds
     print(f"B={B} T={T} local disk: {local_rate / 1e6:.3f} M tok/s over {n} batches", flush=True)
-    os.environ.update(AWS_ACCESS_KEY_ID="raychat-bench", AWS_SECRET_ACCESS_KEY="raychat-bench",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
     for delay in [float(d) for d in args.latency_ms.split(",")]:
         server, endpoint = start_moto("raychat-bench", delay)
         try:

@@ -27,7 +27,6 @@ import ctypes
 import json
 import os
 import resource
-import subprocess
 import sys
 import threading
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench.step import CPU_CONFIGS, QUICK_CPU, REPO_ROOT, BenchConfig, parse_configs, run_variant
+from bench.step import CPU_CONFIGS, QUICK_CPU, REPO_ROOT, BenchConfig, parse_configs, run_child, run_variant
 from raychat.common import RaychatError, run_cli
 from raychat.memory import plan_memory
 
@@ -115,13 +114,7 @@ def child_main(spec: dict) -> int:
 def measure(config: BenchConfig, dtype: str, steps: int, threads: int) -> dict:
     """One configuration in a fresh interpreter (so its peaks are its own)."""
     spec = {"config": asdict(config), "dtype": dtype, "steps": steps, "threads": threads}
-    done = subprocess.run([sys.executable, "-m", "bench.memory", "--child", json.dumps(spec)],
-                          stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RaychatError(f"the {config.name} {dtype} run failed (exit code {done.returncode}); its error "
-                           "is printed above")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_child("bench.memory", spec, f"the {config.name} {dtype} run")
 
 
 def describe(row: dict) -> str:

@@ -21,8 +21,12 @@ from raychat.common import RaychatError
 
 def start_moto(bucket: str, delay_ms: float = 0.0) -> tuple[subprocess.Popen, str]:
     """The server on a free 127.0.0.1 port with `bucket` created; returns (process, "127.0.0.1:PORT").
-    The caller terminates the process."""
+    The caller terminates the process. Sets this process's S3 credentials to the server's fake ones
+    (children inherit them), with no instance-metadata lookups: the only S3 here is this server."""
     import boto3
+
+    os.environ.update(AWS_ACCESS_KEY_ID="raychat-bench", AWS_SECRET_ACCESS_KEY="raychat-bench",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -263,12 +263,16 @@ def launch(config: BenchConfig, mode: str, device: str, args, cache_dir: str, dt
             "warmup": args.warmup, "threads": args.threads, "launched_at": time.time(), "dtype": dtype,
             "fp8_recipe": fp8_recipe}
     env = {**os.environ, **(env or {}), "TORCHINDUCTOR_CACHE_DIR": cache_dir}
-    done = subprocess.run([sys.executable, "-m", "bench.step", "--child", json.dumps(spec)], env=env,
+    return run_child("bench.step", spec, f"the {config.name} {mode} run", env)
+
+
+def run_child(module: str, spec: dict, what: str, env: dict[str, str] | None = None) -> dict:
+    """`python -m module --child SPEC` in a fresh interpreter; the JSON of its last RESULT line."""
+    done = subprocess.run([sys.executable, "-m", module, "--child", json.dumps(spec)], env=env,
                           stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
-        raise RaychatError(f"the {config.name} {mode} run failed (exit code {done.returncode}); its error is "
-                           "printed above")
+        raise RaychatError(f"{what} failed (exit code {done.returncode}); its error is printed above")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 

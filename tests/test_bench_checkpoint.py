@@ -37,17 +37,23 @@ def test_checkpoint_bench_quick(tmp_path):
 
 
 def test_checkpoint_scale_bench_meets_the_per_rank_targets_at_two_ranks():
-    """bench.checkpoint_scale at W = 2 (gloo processes): each rank writes and reads about half,
-    the resume reads each byte about once, the driver reads kilobytes, the state comes back bitwise."""
+    """bench.checkpoint_scale at W = 2 (gloo processes), on local disk and on S3: each rank writes,
+    reads and buffers about half, the resume reads each byte about once, the driver reads kilobytes,
+    the state comes back bitwise."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run([sys.executable, "-m", "bench.checkpoint_scale", "--workers", "2", "--depth", "1",
-                           "--json"], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+                           "--storage", "local,s3", "--json"], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert row["workers"] == 2 and row["bitwise"]
-    assert row["written_bytes_max_rank"] < 0.75 * row["checkpoint_bytes"]
-    assert row["read_bytes_max_rank"] < 0.75 * row["checkpoint_bytes"]
-    assert row["read_bytes_total"] <= 1.1 * row["checkpoint_bytes"]
-    assert 0 < row["driver_read_bytes"] <= 1_000_000
-    bytes_targets = {k: v for k, v in row["targets_met"].items() if k != "stall_under_a_step"}  # not timing
-    assert all(bytes_targets.values()), row["targets_met"]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [row["storage"] for row in rows] == ["local", "s3"]
+    for row in rows:
+        assert row["workers"] == 2 and row["bitwise"]
+        assert row["written_bytes_max_rank"] < 0.75 * row["checkpoint_bytes"]
+        assert row["read_bytes_max_rank"] < 0.75 * row["checkpoint_bytes"]
+        assert row["read_bytes_total"] <= 1.1 * row["checkpoint_bytes"]
+        assert 0 < row["driver_read_bytes"] <= 1_000_000
+        assert 0 < row["save_host_bytes_max_rank"] < 0.75 * row["checkpoint_bytes"]
+        # bytes, not timing
+        bytes_targets = {k: v for k, v in row["targets_met"].items() if k != "stall_under_a_step"}
+        assert all(bytes_targets.values()), row["targets_met"]

@@ -90,7 +90,7 @@ def _worker(rank: int, tmp: str) -> None:
         written = io_count.written
         saver = save(run, model, optimizer, 2, rank, gather)
         out["written"] = io_count.written - written
-        out["buffer_bytes"] = sum(b.numel() * b.element_size() for b in saver.writer._buffers.values())
+        out["buffer_bytes"] = saver.writer.buffer_bytes
         saver.close()
         dist.barrier()  # rank 0's save returned: the manifest is written
 

@@ -188,9 +188,12 @@ def test_a_run_starts_from_nanochats_weights_and_a_rerun_resumes_its_own(ray_ses
     assert meta.step == 1
     original = model.state_dict()
     assert trained.keys() == original.keys()
-    # Only nanochat's smear set moves: its lr is a fixed 0.2, no flag sets it.
-    moved = [name for name in original if not torch.equal(trained[name], original[name])]
-    assert sorted(moved) == ["backout_lambda", "smear_gate.weight", "smear_lambda"]
+    # Only nanochat's smear set moves: its lr is a fixed 0.2, no flag sets it. backout_lambda may stay:
+    # at depth 2 the backout layer is the last one, norm(x - lambda x) does not depend on lambda, and
+    # whether its gradient rounds to exactly 0 depends on the CPU's kernels.
+    moved = {name for name in original if not torch.equal(trained[name], original[name])}
+    smear_set = {"backout_lambda", "smear_gate.weight", "smear_lambda"}
+    assert {"smear_gate.weight", "smear_lambda"} <= moved <= smear_set
 
     again = run_train(ray_session, flags)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -208,22 +208,28 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
 # Local only: the accounting does not depend on where checkpoints live, and resuming from the bucket
 # is covered above and below (resume by name, kill -9, damaged newest, --resume-from-step).
 @pytest.mark.parametrize("storage", ["local"], indirect=True)
-def test_resize_two_to_one_consumes_every_doc_once(ray_session, tiny_corpus, tmp_path, storage):
+def test_resize_one_two_three_one_consumes_every_doc_once(ray_session, tiny_corpus, tmp_path, storage):
+    """Four launches of one run at W = 1, 2, 3, 1 (each resumes the sharded checkpoint the last one
+    saved, written by a different number of ranks): every epoch-1 document trained exactly once."""
     from raychat.corpus.index import CorpusIndex
 
     data_dir, _ = tiny_corpus
     trace = tmp_path / "trace"
     trace.mkdir()
     common = ["--total-batch-size", "2048", "--eval-every", "-1", "--save-every", "-1"]
-    first = run_train(ray_session, tiny_flags(tiny_corpus, storage, "resize", "--num-workers", "2",
-                                              "--num-iterations", "6", *common),
-                      RAYCHAT_TRACE_DIR=str(trace))
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = run_train(ray_session, tiny_flags(tiny_corpus, storage, "resize", "--num-workers", "1",
-                                               "--num-iterations", "24", *common),
-                       RAYCHAT_TRACE_DIR=str(trace))
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "saved by 2 workers, now 1" in second.stdout
+    saved_by = None
+    for workers, iterations in ((1, 6), (2, 12), (3, 18), (1, 24)):
+        flags = tiny_flags(tiny_corpus, storage, "resize", "--num-workers", str(workers), "--num-iterations",
+                           str(iterations), *common)
+        done = run_train(ray_session, flags, RAYCHAT_TRACE_DIR=str(trace))
+        assert done.returncode == 0, done.stderr[-3000:]
+        if saved_by is not None:
+            assert f"saved by {saved_by} workers, now {workers}" in done.stdout
+        saved_by = workers
+        checkpoint = Storage(storage).child("resize", f"checkpoint_{iterations:06d}")
+        assert read_meta(checkpoint).world_size == workers
+        assert sorted(p.name for p in Path(checkpoint.root).glob("rank_*")) == [
+            rank_file(rank, workers) for rank in range(workers)]  # one shard file per rank that saved
 
     cursor = read_meta(Storage(storage).child("resize", "checkpoint_000024")).cursor
     trained = assert_epoch1_exactly_once(trace, data_dir, cursor)

@@ -88,6 +88,11 @@ class AsyncCheckpointWriter:
             self._error = e
         self.write_seconds = time.perf_counter() - start
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Host memory held for saves: the snapshot buffers, this rank's share of the state."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
     def done(self) -> bool:
         """True when no save is in flight (the last one finished, well or not: wait() tells)."""
         return self._thread is None or not self._thread.is_alive()
