@@ -42,7 +42,9 @@ class TrainConfig:
                                            "horizon")
     # --- optimization ---
     device_batch_size: int = _flag(32, "rows of T tokens per forward pass per worker (lower it if you run "
-                                   "out of memory; the global batch does not change)", "optimization")
+                                   "out of memory; the global batch does not change). -1 = auto: on a GPU "
+                                   "the largest power of two whose estimated peak memory fits it (python -m "
+                                   "raychat.plan shows the estimate), on a CPU 32", "optimization")
     total_batch_size: int = _flag(-1, "tokens per optimizer step across all workers (-1 = auto from the "
                                   "scaling rule)", "optimization")
     embedding_lr: float = _flag(0.3, "AdamW learning rate of the token and value embeddings", "optimization")
@@ -121,7 +123,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Reject impossible values with the flag's name and the fix."""
-        positive = ["depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "vocab_size"]
+        positive = ["depth", "aspect_ratio", "head_dim", "max_seq_len", "vocab_size"]
         for name in positive:
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
@@ -132,6 +134,9 @@ class TrainConfig:
         if self.num_iterations <= 0 and self.target_flops <= 0 and self.target_param_data_ratio <= 0:
             raise RaychatError("no training horizon: set --num-iterations, --target-flops or "
                                "--target-param-data-ratio to a positive value")
+        if self.device_batch_size != -1 and self.device_batch_size < 1:
+            raise RaychatError(f"--device-batch-size must be positive or -1 (auto), "
+                               f"got {self.device_batch_size}")
         if self.total_batch_size != -1 and self.total_batch_size < 1:
             raise RaychatError(f"--total-batch-size must be positive or -1 (auto), "
                                f"got {self.total_batch_size}")

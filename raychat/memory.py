@@ -128,9 +128,42 @@ def estimate_memory(config: GPTConfig, params: dict[str, int], micro_batch_rows:
 
 def plan_memory(plan: Plan, compute_bytes: int, compiled: bool) -> MemoryEstimate:
     """The estimate for the busiest rank of `plan` (the one with the most rows per step)."""
-    rows_per_rank = -(-plan.rows_per_step // plan.world_size)
-    return estimate_memory(plan.model, plan.params, min(plan.device_batch_size, rows_per_rank),
+    return estimate_memory(plan.model, plan.params, min(plan.device_batch_size, plan.rows_per_rank),
                            plan.grad_accum_steps, plan.world_size, compute_bytes, compiled)
+
+
+def fit_device_batch_size(plan: Plan, device_bytes: int, compute_bytes: int, compiled: bool) -> int:
+    """--device-batch-size -1 on a device of `device_bytes`: the largest power of two, up to the rows a
+    rank trains per step, whose estimated peak fits MARGIN of it (1 when none does: the warning of
+    `memory_warning` then says so)."""
+    rows = 1
+    while rows * 2 <= plan.rows_per_rank and plan_memory(plan.with_device_batch_size(rows * 2), compute_bytes,
+                                                         compiled).peak <= MARGIN * device_bytes:
+        rows *= 2
+    return rows
+
+
+def fit_plan_to_device(plan: Plan, device_bytes: int, device: str, compute_bytes: int,
+                       compiled: bool) -> tuple[Plan, list[str]]:
+    """`plan` on a device of `device_bytes`: --device-batch-size -1 resolved (fit_device_batch_size),
+    and the lines to log: the choice, and a warning when the estimate does not fit."""
+    lines = []
+    if plan.device_batch_rule == "auto":
+        plan = plan.with_device_batch_size(fit_device_batch_size(plan, device_bytes, compute_bytes, compiled))
+        peak = plan_memory(plan, compute_bytes, compiled).peak
+        lines.append(f"--device-batch-size -1: {plan.device_batch_size} rows per forward pass on {device} "
+                     f"(estimated peak {peak / GIB:.1f} of {device_bytes / GIB:.1f} GiB)")
+    warning = memory_warning(plan_memory(plan, compute_bytes, compiled), device_bytes, device)
+    return plan, lines + ([warning] if warning else [])
+
+
+def memory_warning(estimate: MemoryEstimate, device_bytes: int, device: str) -> str | None:
+    """One line when the estimated peak does not fit MARGIN of `device_bytes`, else None."""
+    share = estimate.peak / device_bytes
+    if share <= MARGIN:
+        return None
+    return (f"warning: does not fit {device} ({device_bytes / GIB:g} GiB): {share:.0%} of it; lower "
+            "--device-batch-size (-1 picks the largest that fits) or add workers")
 
 
 @dataclass
@@ -172,10 +205,7 @@ def format_memory(estimate: MemoryEstimate, tables: EmbeddingTables, mode: str, 
                  f"and AdamW state); in bf16 as nanochat keeps them {tables.bf16_bytes / GIB:,.2f} GiB, "
                  f"{tables.saving / max(estimate.peak, 1):.1%} off the peak")
     if device_gib is not None:
-        share = estimate.peak / GIB / device_gib
-        if share <= MARGIN:
-            lines.append(f"  fits {device} ({device_gib:g} GiB): {share:.0%} of it")
-        else:
-            lines.append(f"  warning: does not fit {device} ({device_gib:g} GiB): {share:.0%} of it; lower "
-                         "--device-batch-size or add workers")
+        warning = memory_warning(estimate, int(device_gib * GIB), device)
+        lines.append(f"  {warning}" if warning else
+                     f"  fits {device} ({device_gib:g} GiB): {estimate.peak / GIB / device_gib:.0%} of it")
     return lines

@@ -17,7 +17,15 @@ from raychat.common import RaychatError, default_data_dir, default_tokenizer_dir
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.corpus.index import list_shards
 from raychat.data.budget import budget_lines, corpus_budget
-from raychat.memory import GPU_MEMORY_GIB, embedding_tables, format_memory, gpu_memory_gib, plan_memory
+from raychat.memory import (
+    GIB,
+    GPU_MEMORY_GIB,
+    embedding_tables,
+    fit_device_batch_size,
+    format_memory,
+    gpu_memory_gib,
+    plan_memory,
+)
 from raychat.model.precision import DTYPES, run_auto_dtype
 from raychat.scaling import format_plan, resolve_plan
 from raychat.tokenizer.core import META_FILE, Tokenizer
@@ -29,6 +37,7 @@ examples:
   python -m raychat.plan --depth 12 --total-batch-size 65536 --num-iterations 10000 --json
   python -m raychat.plan --depth 20 --num-workers 8 # the batch layout over 8 workers
   python -m raychat.plan --depth 24 --num-workers 8 --gpu H100   # does a rank fit an 80 GB H100?
+  python -m raychat.plan --depth 24 --num-workers 8 --gpu H100 --device-batch-size -1  # what fits
 
 The vocabulary size comes from the tokenizer in --tokenizer-dir when one is there, else from
 --vocab-size (the size `raychat.train` would train a tokenizer with). With a corpus in --data-dir and
@@ -99,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     device_gib, device = device_memory(args.gpu, args.gpu_memory)
     on_gpu = device_gib is not None or torch.cuda.is_available()
     compute_bytes, compiled, mode = memory_mode(cfg, on_gpu)
+    if device_gib is not None and plan.device_batch_rule == "auto":  # what each worker on it would pick
+        plan = plan.with_device_batch_size(fit_device_batch_size(plan, int(device_gib * GIB), compute_bytes,
+                                                                 compiled))
     memory = plan_memory(plan, compute_bytes, compiled)
     tables = embedding_tables(plan.params, world_size)
     if args.json:

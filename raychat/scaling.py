@@ -24,6 +24,7 @@ from raychat.model.precision import describe_precision
 
 REF_DEPTH = 12  # nanochat tuned its hyperparameters at d12 and transfers them from there
 B_REF = 2**19  # tokens per step that is optimal at d12 (measured by nanochat)
+AUTO_DEVICE_BATCH_SIZE = 32  # --device-batch-size -1 where no device memory is known: nanochat's default
 BATCH_EXPONENT = 0.383  # Power Lines (arxiv.org/abs/2505.13738): optimal batch grows as D**0.383
 
 MOMENTUM_WARMUP_STEPS = 400
@@ -55,6 +56,9 @@ class Plan:
     horizon_rule: str  # the flag that set num_iterations: num_iterations|target_flops|target_param_data_ratio
     # what the workers compute in on the machine that resolved the plan (raychat.model.precision)
     precision: str
+    # "flag" (--device-batch-size N) or "auto" (-1: fitted to each GPU worker's memory, else
+    # AUTO_DEVICE_BATCH_SIZE until then)
+    device_batch_rule: str = "flag"
 
     @property
     def total_flops(self) -> int:
@@ -78,6 +82,16 @@ class Plan:
         group can run at any size of its range)."""
         accum = grad_accum_steps(self.rows_per_step, world_size, self.device_batch_size)
         return dataclasses.replace(self, world_size=world_size, grad_accum_steps=accum)
+
+    def with_device_batch_size(self, rows: int) -> "Plan":
+        """The same run in forward passes of at most `rows` rows (the step and its gradient do not change)."""
+        accum = grad_accum_steps(self.rows_per_step, self.world_size, rows)
+        return dataclasses.replace(self, device_batch_size=rows, grad_accum_steps=accum)
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Rows of a step on the busiest rank (rank 0)."""
+        return rank_rows(self.rows_per_step, self.world_size, 0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -130,7 +144,9 @@ def resolve_plan(cfg: TrainConfig, vocab_size: int, world_size: int = 1) -> Plan
     weight_decay = cfg.weight_decay * lr_scale / horizon_ratio
 
     rows = rows_per_step(total_batch_size, cfg.max_seq_len, auto_batch)
-    accum = grad_accum_steps(rows, world_size, cfg.device_batch_size)
+    auto_device_batch = cfg.device_batch_size == -1
+    device_batch_size = AUTO_DEVICE_BATCH_SIZE if auto_device_batch else cfg.device_batch_size
+    accum = grad_accum_steps(rows, world_size, device_batch_size)
 
     if cfg.num_iterations > 0:
         horizon_rule, num_iterations = "num_iterations", cfg.num_iterations
@@ -150,9 +166,10 @@ def resolve_plan(cfg: TrainConfig, vocab_size: int, world_size: int = 1) -> Plan
         total_batch_size=total_batch_size, num_iterations=num_iterations, total_tokens=total_tokens,
         tokens_per_param=total_tokens / n_params, target_tokens=target_tokens, lr_scale=lr_scale,
         weight_decay=weight_decay, world_size=world_size, rows_per_step=rows, grad_accum_steps=accum,
-        device_batch_size=cfg.device_batch_size, batch_rule="auto" if auto_batch else "flag",
+        device_batch_size=device_batch_size, batch_rule="auto" if auto_batch else "flag",
         horizon_rule=horizon_rule,
         precision=describe_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, cfg.gpus_per_worker),
+        device_batch_rule="auto" if auto_device_batch else "flag",
     )
 
 
@@ -275,7 +292,8 @@ def format_plan(plan: Plan) -> str:
             ("tokens per step", f"{plan.total_batch_size:,} ({batch})"),
             ("rows per step", f"{plan.rows_per_step:,} x {m.sequence_len:,} tokens"),
             ("workers", f"{plan.world_size} ({_rows_per_rank(plan)} rows each)"),
-            ("micro-batches per step", f"{plan.grad_accum_steps} (rank 0: {_rank0_micro_batches(plan)})"),
+            ("micro-batches per step", f"{plan.grad_accum_steps} (rank 0: {_rank0_micro_batches(plan)})"
+                                       + (", device batch auto" if plan.device_batch_rule == "auto" else "")),
         ]),
         ("optimizer", [
             ("lr scale sqrt(B/2^19)", f"{plan.lr_scale:.4f}"),

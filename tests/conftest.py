@@ -25,6 +25,10 @@ from bench.multinode import stop_processes_under
 os.environ.setdefault("RAYCHAT_OFFLINE", "1")
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray Train's controller polls its workers every 2 s, so a tiny run ends up to 2 s after its last step;
+# the driver forwards RAY_TRAIN_* to the controller. A slower poll is only late, never an error: a poll
+# counts as missed after RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S. 1.9 s less per run (21.2 vs 23.1 s).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("WANDB_MODE", "offline")
 # `ray start --head` turns on token authentication (token in ~/.ray/auth_token); every client of the

@@ -12,17 +12,23 @@ import pytest
 import torch
 
 from raychat.common import RaychatError
+from raychat.config import TrainConfig
 from raychat.memory import (
     GIB,
+    MARGIN,
     activation_bytes,
     embedding_tables,
     estimate_memory,
+    fit_device_batch_size,
+    fit_plan_to_device,
     format_memory,
     gpu_memory_gib,
+    plan_memory,
 )
 from raychat.model.gpt import GPTConfig, build_model, gpt_config
 from raychat.model.precision import Precision
 from raychat.plan import main as plan_main
+from raychat.scaling import resolve_plan
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,3 +138,40 @@ def test_plan_prints_the_estimate_and_refuses_an_unknown_gpu(capsys, tmp_path):
     assert "warning: does not fit the device (8 GiB)" in capsys.readouterr().out
     with pytest.raises(RaychatError, match="--gpu 'TPU' .* --gpu-memory"):
         plan_main([*flags, "--gpu", "TPU"])
+
+
+def test_auto_device_batch_is_the_largest_power_of_two_that_fits():
+    """d24 on 8 workers (64 rows each per step), compiled bf16, on an 80 GB H100."""
+    cfg = TrainConfig(depth=24, device_batch_size=-1, num_workers="8")
+    plan = resolve_plan(cfg, 32768, world_size=8)
+    assert plan.device_batch_rule == "auto" and plan.device_batch_size == 32  # nanochat's, until a device
+    assert plan.rows_per_rank == 64
+    h100 = int(gpu_memory_gib("H100") * GIB)
+    rows = fit_device_batch_size(plan, h100, compute_bytes=2, compiled=True)
+    assert rows == 16
+    assert plan_memory(plan.with_device_batch_size(16), 2, True).peak <= MARGIN * h100
+    assert plan_memory(plan.with_device_batch_size(32), 2, True).peak > MARGIN * h100
+    assert fit_device_batch_size(plan, 1000 * GIB, 2, True) == 64  # never more than a rank's rows
+    assert fit_device_batch_size(plan, 1 * GIB, 2, True) == 1     # nothing fits: 1, and the warning says so
+
+    fitted, lines = fit_plan_to_device(plan, h100, "NVIDIA H100 80GB HBM3", 2, True)
+    assert fitted.device_batch_size == 16 and fitted.grad_accum_steps == 4
+    assert lines == ["--device-batch-size -1: 16 rows per forward pass on NVIDIA H100 80GB HBM3 (estimated "
+                     "peak 57.5 of 79.6 GiB)"]
+    fixed = resolve_plan(TrainConfig(depth=24, num_workers="8"), 32768, world_size=8)
+    same, lines = fit_plan_to_device(fixed, h100, "H100", 2, True)
+    assert same == fixed and len(lines) == 1 and lines[0].startswith("warning: does not fit H100")
+    assert "--device-batch-size (-1 picks the largest that fits)" in lines[0]
+
+
+def test_plan_resolves_auto_against_the_device_it_is_given(capsys, tmp_path):
+    flags = ["--depth", "24", "--num-workers", "8", "--device-batch-size", "-1", "--tokenizer-dir",
+             str(tmp_path), "--data-dir", str(tmp_path)]
+    assert plan_main([*flags, "--gpu", "H100", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["device_batch_size"] == 16 and plan["device_batch_rule"] == "auto"
+    assert plan_main([*flags, "--gpu", "H200"]) == 0
+    out = capsys.readouterr().out
+    assert "(rank 0: 2 x 32 rows), device batch auto" in out and "fits H200" in out
+    with pytest.raises(RaychatError, match=r"--device-batch-size must be positive or -1 \(auto\), got 0"):
+        plan_main([*flags[:4], "--device-batch-size", "0"])

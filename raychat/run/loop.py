@@ -61,7 +61,7 @@ def evaluate(w: Worker, state: LoopState) -> float:
     """Validation bpb over --eval-tokens (all ranks), logged like nanochat."""
     if w.val_rows is None:
         w.val_rows = validation_rows(w)
-    rows = w.cfg.device_batch_size
+    rows = w.plan.device_batch_size
     batches = ((chunk[:, :-1], chunk[:, 1:]) for chunk in w.val_rows.split(rows))
     w.model.eval()
     bpb = evaluate_bpb(w.model, batches, w.tokenizer.token_bytes(), w.device)

@@ -29,6 +29,7 @@ from raychat.common import RaychatError
 from raychat.config import TrainConfig
 from raychat.corpus.index import CorpusIndex, confirm_identity, corpus_record
 from raychat.data.loader import TrainLoader
+from raychat.memory import fit_plan_to_device
 from raychat.model.compile_check import probe_compile, uses_compile
 from raychat.model.flops import peak_flops
 from raychat.model.gpt import build_model
@@ -223,6 +224,20 @@ def _publisher(w: Worker, state: LoopState, run: Storage, precision: str, peak_s
     return publisher
 
 
+def _fit_to_device(plan: Plan, cfg: TrainConfig, me: _Rank, use_compile: bool) -> Plan:
+    """On a GPU: --device-batch-size -1 fitted to its memory, and a line when the plan's estimate does
+    not fit it (the driver's machine may have no GPU to check against). CPUs keep the plan's."""
+    if me.device.type != "cuda":
+        return plan
+    compute_bytes = resolve_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, me.device).dtype.itemsize
+    device_bytes = torch.cuda.get_device_properties(me.device).total_memory
+    plan, lines = fit_plan_to_device(plan, device_bytes, torch.cuda.get_device_name(me.device), compute_bytes,
+                                     use_compile)
+    for line in lines:
+        me.log(line)
+    return plan
+
+
 def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
     """This rank's components, the loop state to start from and its line to the run's coordinator.
 
@@ -237,6 +252,7 @@ def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
     where = f"rank {me.rank} ({ray.util.get_node_ip_address()})"
     tokenizer = _the_drivers_tokenizer(cfg.tokenizer_dir, config["tokenizer_fingerprint"], where)
     plan = Plan.from_json(config["plan"]).at_world_size(me.world_size)  # the driver's, dealt to this group
+    plan = _fit_to_device(plan, cfg, me, use_compile)
     run = Storage(cfg.storage_path).child(cfg.name)
     index: CorpusIndex = config["corpus_index"]   # the driver's, from the footers: no listing here
     confirm_identity(index, where)
@@ -263,7 +279,7 @@ def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
         orig_model.load_state_dict(ray.get(config["init_weights"]), strict=True)  # until its first save)
     signals = _start_attempt(config, state, resumed_from, me)
 
-    slices = micro_slices(rank_rows(plan.rows_per_step, me.world_size, me.rank), cfg.device_batch_size)
+    slices = micro_slices(rank_rows(plan.rows_per_step, me.world_size, me.rank), plan.device_batch_size)
     peak, peak_source = peak_flops(me.device)
     if peak_source == "measured":
         gpu = torch.cuda.get_device_name(me.device)
