@@ -311,7 +311,7 @@ def format_plan(plan: Plan) -> str:
 def _rank0_micro_batches(plan: Plan) -> str:
     """Rank 0's micro-batches in rows, e.g. '16 x 32 rows' or '8 + 3 rows'."""
     dbs = plan.device_batch_size
-    sizes = micro_batch_sizes(rank_rows(plan.rows_per_step, plan.world_size, 0), dbs)
+    sizes = micro_batch_sizes(plan.rows_per_rank, dbs)
     full = sizes.count(dbs)
     parts = [f"{full} x {dbs}" if full > 1 else str(dbs)] if full else []
     parts += [str(size) for size in sizes if size != dbs]
@@ -319,6 +319,6 @@ def _rank0_micro_batches(plan: Plan) -> str:
 
 
 def _rows_per_rank(plan: Plan) -> str:
-    most = rank_rows(plan.rows_per_step, plan.world_size, 0)
+    most = plan.rows_per_rank
     least = rank_rows(plan.rows_per_step, plan.world_size, plan.world_size - 1)
     return f"{most}" if most == least else f"{least}-{most}"
