@@ -153,6 +153,7 @@ def test_auto_device_batch_is_the_largest_power_of_two_that_fits():
     assert plan_memory(plan.with_device_batch_size(32), 2, True).peak > MARGIN * h100
     assert fit_device_batch_size(plan, 1000 * GIB, 2, True) == 64  # never more than a rank's rows
     assert fit_device_batch_size(plan, 1 * GIB, 2, True) == 1     # nothing fits: 1, and the warning says so
+    assert fit_device_batch_size(plan, 62 * GIB, 2, True) == 8    # 16 (57.5 GiB) is over 90% of 62 GiB
 
     fitted, lines = fit_plan_to_device(plan, h100, "NVIDIA H100 80GB HBM3", 2, True)
     assert fitted.device_batch_size == 16 and fitted.grad_accum_steps == 4
