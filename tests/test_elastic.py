@@ -34,10 +34,13 @@ ELASTIC = ["--num-workers", "2:3", "--cpus-per-worker", "1", "--placement-strate
            "--resize-check-every", "5", "--total-batch-size", "2048", "--num-iterations", str(STEPS),
            "--eval-every", "80", "--save-every", "10", "--max-failures", "3"]
 # How far a shrink and a grow may move the final val bpb of this tiny model against a run on 3 workers
-# throughout (after a resize the order of the documents differs, the set does not; the global batch
-# is the same). Measured here: 0.105 after 240 steps (3.019 vs 2.914), within 0.06 after 90 steps;
-# the tiny corpus is repeated ~9 times, where order matters most. Allowed: 0.15.
-BPB_TOLERANCE = 0.15
+# throughout. After a resize the order of the documents differs, the set does not (the global batch
+# is the same), and on this tiny corpus, repeated ~9 times, order alone moves the final bpb by more
+# than the resize: uninterrupted runs of these flags ended at 2.877 (3 workers), 3.029 (2 workers),
+# 3.002 and 3.079 (3 workers, --shuffle-seed 7 and 8), a range of 0.20; elastic runs ended 0.105 and
+# 0.178 from the 3-worker reference. Allowed: 0.3, which catches a run that diverges or stops
+# learning after a resize; bitwise resumes at an unchanged world size are tested in test_checkpoint*.
+BPB_TOLERANCE = 0.3
 
 
 @pytest.fixture(scope="module")
