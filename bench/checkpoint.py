@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -215,7 +216,17 @@ def report(results: list[dict], estimate: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--workers" or a.startswith("--workers=") for a in argv):
+        # Several world sizes are bench.checkpoint_scale's table (gloo ranks), under the name the
+        # checkpoint issue gave it: `python -m bench.checkpoint --workers 1,2,4 --depth 6 --json`.
+        from bench import checkpoint_scale
+
+        return checkpoint_scale.main(argv)
     parser = argparse.ArgumentParser(prog="python -m bench.checkpoint", description=__doc__,
+                                     epilog="With --workers W1,W2,... [--depth D] [--storage local,s3] "
+                                     "[--json]: bytes per rank at each world size "
+                                     "(python -m bench.checkpoint_scale).",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depths", default="4,12", help="comma-separated model depths (default 4,12)")
     parser.add_argument("--steps", type=int, default=2, help="timed training steps per depth (default 2)")
