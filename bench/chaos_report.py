@@ -72,6 +72,9 @@ def checked_run(run, data_dir: Path, reference: Storage | None) -> dict:
     survived = [f for f in injected if f.survived]
     if len(survived) < len(injected):
         problems.append(f"{len(injected) - len(survived)} fault(s) not survived")
+    if len(injected) < len(run.schedule) and not run.stopped:
+        problems.append(f"{len(run.schedule) - len(injected)} fault(s) not injected: the run reached step "
+                        f"{run.spec.steps} first")
     return {"name": run.spec.name, "steps": run.spec.steps, "faults": faults, "injected": len(injected),
             "survived": len(survived), "redone": sum(f.redone for f in run.schedule),
             "unprovoked_restarts": unprovoked, "world_sizes": sizes, "documents": docs.get("documents"),
