@@ -229,8 +229,11 @@ class ChaosRun:
         self.disrupted(fault)
         self.launch()
         self.wait_for(self.recovered, "the relaunched driver's first step")
-        fault.survived = "taking it over" in self.drivers[-1].read_text()
+        log = self.drivers[-1].read_text()
+        fault.survived = "taking it over" in log
         fault.note = "lease taken over" if fault.survived else "the new driver did not say it took the lease"
+        if "Released the resources Ray still reserved" in log:  # else the relaunch waits up to 180 s
+            fault.note += ", the killed controller's reservation released"
 
     def lose_node(self, fault: Fault, drain: bool) -> None:
         rank, pid = self.target(fault)

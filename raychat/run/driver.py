@@ -41,7 +41,14 @@ from raychat.model.compile_check import check_compile
 from raychat.model.precision import check_precision
 from raychat.run.console import install_driver_printer, plain_when_redirected
 from raychat.run.core_metric import check_eval_bundle
-from raychat.run.elastic import FreshClusterView, PlannedResizeSave, final_metrics, start_coordinator
+from raychat.run.elastic import (
+    FreshClusterView,
+    PlannedResizeSave,
+    RecordReservation,
+    final_metrics,
+    release_stale_reservation,
+    start_coordinator,
+)
 from raychat.run.lease import RunLease
 from raychat.run.loop import train_loop_per_worker
 from raychat.run.quiet import VERBOSE_ENV, quiet_ray
@@ -268,6 +275,7 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
     callbacks = list(callbacks or [])
     if len(set(cfg.worker_range())) > 1:  # elastic
         callbacks += [PlannedResizeSave(run.session), FreshClusterView()]
+    callbacks.append(RecordReservation(run.run_dir.location))
     run_kwargs = dict(name=cfg.name, failure_config=FailureConfig(max_failures=cfg.max_failures),
                       callbacks=callbacks, **ray_storage(cfg.storage_path))
     run_kwargs.update(run_config_overrides or {})
@@ -333,6 +341,7 @@ def fit_run(run: PreparedRun, callbacks: list | None = None) -> dict:
         return finished_metrics(run)
     lease = RunLease(run.run_dir)
     lease.acquire()
+    release_stale_reservation(run.run_dir)
     try:
         trainer = build_trainer(run, callbacks=callbacks)
         clear_stop_note(run.cfg.storage_path, run.cfg.name)

@@ -17,7 +17,10 @@ on a preemption notice, so a new attempt can log "Lost 1 worker(s) ...; 7 steps 
 (saved step 23 on the notice): ..." or "Grew to 3 workers at step 160 (no steps redone)".
 """
 
+import contextlib
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -30,9 +33,12 @@ from raychat.run.ray_internals import (
     ResizingState,
     RestartingState,
     preemption_noticed,
+    train_requester_id,
 )
+from raychat.storage import Storage
 
 SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
+RESERVATION_FILE = "raychat_reservation.json"  # in the run directory: the controller's resource request
 
 
 @ray.remote(num_cpus=0)
@@ -166,6 +172,46 @@ def refresh_cluster_view() -> None:
         ray.get(coordinator.get_reserved_resources.remote("raychat", recompute=True), timeout=10)
     except (ValueError, TypeError, ray.exceptions.RayError):
         pass
+
+
+class RecordReservation(ControllerCallback):
+    """Write down, in the run directory, the resource request this run's controller holds with Ray's
+    autoscaling coordinator.
+
+    The controller cancels that request when it shuts down, but one killed with its driver (the job
+    stopped, the driver's process or node gone) never does, and the coordinator keeps the workers'
+    resources reserved for it until it expires, 180 s later. A relaunched run then sees "ready
+    resources for 0 workers" on a cluster sized for it and waits those minutes (174 s against 34 s
+    with the request released, 2-node cluster, bench/RESULTS.md "Chaos"). The next driver of the
+    run, holding its lease, releases what this file names (`release_stale_reservation`)."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    def after_controller_start(self, train_run_context) -> None:
+        record = {"requester": train_requester_id(train_run_context.run_id)}
+        with contextlib.suppress(OSError):  # without the record a relaunch only waits longer
+            Storage(self.run_dir).write_bytes(RESERVATION_FILE, json.dumps(record).encode())
+
+
+def release_stale_reservation(run_dir: Storage, log: Callable[[str], None] = print) -> None:
+    """Cancel the resource request a previous controller of this run left behind. Called by a
+    driver that holds the run's lease, so no live controller of the run owns that request."""
+    try:
+        requester = json.loads(run_dir.read_bytes(RESERVATION_FILE))["requester"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no previous controller recorded one
+    try:
+        name, namespace = AUTOSCALING_COORDINATOR
+        coordinator = ray.get_actor(name, namespace=namespace)
+        held = ray.get(coordinator.get_reserved_resources.remote(requester), timeout=10)
+        if held:
+            ray.get(coordinator.cancel_request.remote(requester), timeout=10)
+    except (ValueError, TypeError, ray.exceptions.RayError):
+        return  # no coordinator on this cluster (yet): nothing is reserved
+    if held:
+        log(f"Released the resources Ray still reserved for this run's previous controller ({requester}, "
+            f"{len(held)} node(s)): its driver ended without releasing them")
 
 
 @dataclass

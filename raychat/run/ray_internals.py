@@ -3,7 +3,7 @@
 Private names move between Ray releases without notice. When one does, tests/test_ray_internals.py
 fails with the installed Ray version in its message, and this module is the one to fix. Used by
 raychat.run.console (the driver's log printer), raychat.run.elastic (controller callbacks, the
-cluster view, the preemption flag) and nothing else.
+cluster view and its reservations, the preemption flag) and nothing else.
 """
 
 from ray._private.ray_logging import global_worker_stdstream_dispatcher
@@ -31,6 +31,14 @@ __all__ = ["ControllerCallback", "ReschedulingState", "ResizingState", "Restarti
 # policy asks how many workers fit. It re-reads the cluster only every 20 s unless asked to with
 # `get_reserved_resources(requester, recompute=True)`; nothing public triggers that re-read.
 AUTOSCALING_COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")
+
+
+def train_requester_id(run_id: str) -> str:
+    """The id under which a Train controller's scaling policy registers its resource request with
+    that coordinator (`after_controller_start` in ray/train/v2/_internal/execution/scaling_policy/
+    scaling_policy.py), and cancels it at shutdown: `cancel_request(id)` is how a later driver
+    frees what a killed controller left reserved; nothing public lists or cancels requests."""
+    return f"train-{run_id}"
 
 
 def preemption_noticed() -> bool:
