@@ -63,3 +63,16 @@ def test_autoscaling_coordinator_can_be_asked_to_recompute():
     name, namespace = _module("raychat.run.ray_internals").AUTOSCALING_COORDINATOR
     assert f'name="{name}"' in source and f'namespace="{namespace}"' in source, (
         f"the autoscaling coordinator actor is no longer named {name!r} in {namespace!r} ({NEEDED})")
+
+
+def test_a_train_controllers_resource_request_can_be_found_and_cancelled():
+    """raychat.run.elastic releases a killed controller's request by the id Ray Train registers it under."""
+    module = _module("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator")
+    actor = _require(module, "_AutoscalingCoordinatorActor", module.__name__)
+    cancel = _require(actor, "cancel_request", "_AutoscalingCoordinatorActor")
+    params = list(inspect.signature(cancel).parameters)
+    assert params[1:] == ["requester_id"], f"cancel_request takes {params} ({NEEDED})"
+    policy = _module("ray.train.v2._internal.execution.scaling_policy.scaling_policy")
+    source = inspect.getsource(_require(policy, "ScalingPolicy", policy.__name__).after_controller_start)
+    assert 'f"train-{train_run_context.run_id}"' in source, f"Train's requester id changed ({NEEDED})"
+    assert _module("raychat.run.ray_internals").train_requester_id("abc") == "train-abc", NEEDED
