@@ -166,12 +166,15 @@ class FreshClusterView(ControllerCallback):
 def refresh_cluster_view() -> None:
     """Make Ray's autoscaling coordinator re-read the cluster now (a best effort: a Ray without that
     actor or its `recompute` argument keeps its own 20 s timing)."""
-    try:
-        name, namespace = AUTOSCALING_COORDINATOR
-        coordinator = ray.get_actor(name, namespace=namespace)
+    with contextlib.suppress(ValueError, TypeError, ray.exceptions.RayError):
+        coordinator = autoscaling_coordinator()
         ray.get(coordinator.get_reserved_resources.remote("raychat", recompute=True), timeout=10)
-    except (ValueError, TypeError, ray.exceptions.RayError):
-        pass
+
+
+def autoscaling_coordinator() -> ray.actor.ActorHandle:
+    """Ray's autoscaling coordinator actor; ValueError where the cluster has none (yet)."""
+    name, namespace = AUTOSCALING_COORDINATOR
+    return ray.get_actor(name, namespace=namespace)
 
 
 class RecordReservation(ControllerCallback):
@@ -202,8 +205,7 @@ def release_stale_reservation(run_dir: Storage, log: Callable[[str], None] = pri
     except (OSError, ValueError, KeyError, TypeError):
         return  # no previous controller recorded one
     try:
-        name, namespace = AUTOSCALING_COORDINATOR
-        coordinator = ray.get_actor(name, namespace=namespace)
+        coordinator = autoscaling_coordinator()
         held = ray.get(coordinator.get_reserved_resources.remote(requester), timeout=10)
         if held:
             ray.get(coordinator.cancel_request.remote(requester), timeout=10)
