@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from bench.os_bytes import os_bytes
 from bench.s3_server import start_moto
 from raychat.checkpoint.format import MANIFEST_FILE, checkpoint_dir_name, damage, rank_file
 from raychat.checkpoint.meta import CheckpointMeta
@@ -63,19 +64,6 @@ from raychat.storage import Storage
 
 BUCKET = "raychat-bench"
 MB = 1e6
-
-
-def os_bytes(backend: str) -> tuple[int, int]:
-    """(read, written) so far, as the kernel counts them for this backend."""
-    if backend == "local":
-        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-        return int(fields["rchar"]), int(fields["wchar"])
-    for line in Path("/proc/net/dev").read_text().splitlines():
-        name, _, counters = line.partition(":")
-        if name.strip() == "lo":
-            received = int(counters.split()[0])  # on loopback every byte sent is also received once
-            return received, received
-    raise RaychatError("no loopback interface in /proc/net/dev; the S3 byte counts need one")
 
 
 def measure(depth: int, args: argparse.Namespace, locations: dict[str, str]) -> dict:

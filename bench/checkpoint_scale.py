@@ -20,8 +20,8 @@ state came back bit for bit. It prints one JSON object per W:
 
 Each world size runs on local disk and on S3 (moto's server, started here on 127.0.0.1; --storage).
 Bytes are the checkpoint layer's own counters (raychat.checkpoint.shardfile.io_count: every byte
-a rank file writes or a verified read returns); the driver's are the kernel's (bench.checkpoint's
-os_bytes: /proc/self/io locally, loopback traffic on S3).
+a rank file writes or a verified read returns); the driver's are the kernel's (bench.os_bytes:
+/proc/self/io locally, loopback traffic on S3).
 The targets (issue 19) are checked and printed beside the numbers: per-rank writes and reads
 <= 1.5 x checkpoint / W + the model's share; resume total <= 1.1 x checkpoint; driver <= 1 MB;
 a save's host memory <= 1.5 x checkpoint / W; the stall <= one step.
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.checkpoint import os_bytes
+from bench.os_bytes import os_bytes
 from bench.s3_server import start_moto
 from raychat.checkpoint.format import damage, latest_valid_checkpoint, read_manifest, read_meta
 from raychat.checkpoint.meta import CheckpointMeta
