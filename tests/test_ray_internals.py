@@ -71,7 +71,8 @@ def test_a_train_controllers_resource_request_can_be_found_and_cancelled():
     actor = _require(module, "_AutoscalingCoordinatorActor", module.__name__)
     cancel = _require(actor, "cancel_request", "_AutoscalingCoordinatorActor")
     params = list(inspect.signature(cancel).parameters)
-    assert params[1:] == ["requester_id"], f"cancel_request takes {params} ({NEEDED})"
+    # Once the class has been made an actor, Ray's tracing hook appends `_ray_trace_ctx` to each method.
+    assert params[1:2] == ["requester_id"], f"cancel_request takes {params} ({NEEDED})"
     policy = _module("ray.train.v2._internal.execution.scaling_policy.scaling_policy")
     source = inspect.getsource(_require(policy, "ScalingPolicy", policy.__name__).after_controller_start)
     assert 'f"train-{train_run_context.run_id}"' in source, f"Train's requester id changed ({NEEDED})"
