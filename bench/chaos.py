@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.chaos_audit import CheckpointWatch, progress
-from bench.chaos_report import audit_run, machine, print_table, write_results
+from bench.chaos_report import audit_run, machine, print_table, run_ledger, write_results
 from bench.multinode import (
     TRAIN,
     add_node,
@@ -355,9 +355,11 @@ def chaos(args: argparse.Namespace, out: Path, temp_dir: str, started: float, de
                 run.run()
             ref_dir = Storage(str(ctx.storage)).child("reference") if reference.returncode == 0 else None
             results = [audit_run(run, data, ref_dir) for run in runs]
+            reference_goodput = run_ledger(ref_dir).goodput if ref_dir is not None else None
     summary = {"seed": args.seed, "mode": "short" if args.short else "full", "started": started,
                "seconds": round(time.time() - started, 1), "machine": machine(),
-               "reference_exit": reference.returncode, "runs": results}
+               "reference_exit": reference.returncode, "reference_goodput": reference_goodput,
+               "runs": results}
     (out / "chaos.json").write_text(json.dumps(summary, indent=1, default=str))
     print_table(summary)
     if args.results:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from bench.chaos_audit import attempt_spans, document_counts, read_records, redone_by_attempt, weights_equal
 from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
+from raychat.run.ledger import Ledger
+from raychat.run.metrics_log import read_timeline
 from raychat.storage import Storage
 
 SECTION = "## Chaos: faults on a multi-node cluster (bench/chaos.py)"
@@ -15,6 +17,12 @@ INTRO = ("`python -m bench.chaos` (see its --help): an elastic run (`--num-worke
          "2048-token steps, a checkpoint every 10 steps, 3 kept) on a `ray.cluster_utils.Cluster` under a "
          "seeded schedule of faults, then audited: documents from the trainer's trace, checkpoints "
          "watched while it ran, final weights against a run with no faults at 2 workers.")
+
+
+def run_ledger(run_dir: Storage) -> Ledger:
+    """The run's time ledger (raychat.run.ledger) from its metrics log; empty when it has none."""
+    timeline = read_timeline(run_dir)
+    return timeline.ledger if timeline is not None else Ledger(0.0, [])
 
 
 def attribute_restarts(run, records: list[dict]) -> int:
@@ -40,7 +48,7 @@ def audit_run(run, data_dir: Path, reference: Storage | None) -> dict:
                 "injected": 0, "survived": 0, "redone": 0, "unprovoked_restarts": 0, "world_sizes": [],
                 "documents": None, "lost": None, "repeated": None, "weights": "n/a", "final": None,
                 "exit_code": run.exit_code, "problems": [f"audit failed: {type(e).__name__}: {e}"],
-                "ok": False}
+                "goodput": None, "ledger": [], "ok": False}
 
 
 def checked_run(run, data_dir: Path, reference: Storage | None) -> dict:
@@ -75,11 +83,13 @@ def checked_run(run, data_dir: Path, reference: Storage | None) -> dict:
     if len(injected) < len(run.schedule) and not run.stopped:
         problems.append(f"{len(run.schedule) - len(injected)} fault(s) not injected: the run reached step "
                         f"{run.spec.steps} first")
+    ledger = run_ledger(run.run_dir)
     return {"name": run.spec.name, "steps": run.spec.steps, "faults": faults, "injected": len(injected),
             "survived": len(survived), "redone": sum(f.redone for f in run.schedule),
             "unprovoked_restarts": unprovoked, "world_sizes": sizes, "documents": docs.get("documents"),
             "lost": docs.get("epoch1_lost"), "repeated": docs.get("repeated"), "weights": weights,
             "final": str(final) if final else None, "exit_code": run.exit_code, "problems": problems,
+            "goodput": ledger.goodput, "ledger": ledger.lines(),
             "ok": not problems and len(injected) == len(run.schedule)}
 
 
@@ -97,12 +107,17 @@ def fault_rows(summary: dict) -> list[list[str]]:
 
 
 def run_rows(summary: dict) -> list[list[str]]:
-    rows = [["run", "faults injected", "survived", "steps redone", "world sizes", "documents trained",
-             "epoch-1 lost", "repeated", "checkpoints", "final weights vs reference", "verdict"]]
+    rows = [["run", "faults injected", "survived", "steps redone", "goodput (undisturbed)", "world sizes",
+             "documents trained", "epoch-1 lost", "repeated", "checkpoints", "final weights vs reference",
+             "verdict"]]
+    reference = summary.get("reference_goodput")
+    undisturbed = f" ({100 * reference:.1f}%)" if reference is not None else ""
     for run in summary["runs"]:
         checkpoint_problems = [p for p in run["problems"] if "checkpoint" in p]
+        goodput = "-" if run.get("goodput") is None else f"{100 * run['goodput']:.1f}%{undisturbed}"
         rows.append([run["name"], f"{run['injected']}/{len(run['faults'])}", str(run["survived"]),
-                     str(run["redone"]), ",".join(map(str, run["world_sizes"])), str(run["documents"]),
+                     str(run["redone"]), goodput, ",".join(map(str, run["world_sizes"])),
+                     str(run["documents"]),
                      str(run["lost"]), str(run["repeated"]),
                      "; ".join(checkpoint_problems) or ("final whole and verified, kept the newest 3"
                                                         if run["final"] else "-"),
@@ -116,6 +131,8 @@ def print_table(summary: dict) -> None:
         for row in rows:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(), flush=True)
         print(flush=True)
+    for run in summary["runs"]:  # where each run's time went, each restart's by cause (raychat.run.ledger)
+        print("\n".join([f"{run['name']}: time ledger", *run.get("ledger", [])]) + "\n", flush=True)
 
 
 def markdown(rows: list[list[str]]) -> str:

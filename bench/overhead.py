@@ -264,8 +264,8 @@ class Run:
 
 
 # raychat driver output that marks where its start-up time goes (first occurrence, seconds after launch)
-MILESTONES = {"corpus checked": "Corpus:", "plan printed": "tokens per step", "worker started": "Training ",
-              "step 0 done": "step 00000/"}
+MILESTONES = {"corpus checked": "Corpus:", "plan printed": "tokens per step",
+              "worker started": ": training to step ", "step 0 done": "step 00000/"}
 
 
 def run_and_parse(name: str, command: list[str], env: dict, log_path: Path, skip: int, last: int) -> Run:

@@ -6,6 +6,7 @@ and keeps its traceback.
 """
 
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,24 @@ from pathlib import Path
 
 class RaychatError(Exception):
     """An error the user can fix; its message is one line that says what and how."""
+
+
+class StorageUnavailable(Exception):
+    """A transient fault that outlasted its retry budget (raychat.faults). Deliberately not a
+    RaychatError: in a worker, Ray Train fails the attempt and restarts it under --max-failures
+    instead of ending the run; in a command, it is one line and exit code 75 (try again later)."""
+
+
+NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def check_name(value: str, flag: str) -> str:
+    """`value`, if it is a name (of a run, a model, a sweep): letters, digits, `.`, `_`, `-`, never a
+    path (no `/`, no `..`), so what it names stays inside the directory it is named in."""
+    if not NAME.fullmatch(value) or ".." in value or value == ".":
+        raise RaychatError(f"{flag} must be a name of letters, digits, '.', '_' and '-' (no '/' and no "
+                           f"'..'), got {value!r}: choose such a name")
+    return value
 
 
 def raychat_home() -> Path:
@@ -41,6 +60,11 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
         message = " ".join(str(e).split())  # one line, whatever the message was built from
         print(f"raychat: error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except StorageUnavailable as e:
+        message = " ".join(str(e).split())
+        print(f"raychat: error: storage unavailable: {message}; nothing was lost: run the same command "
+              "again once the storage answers", file=sys.stderr, flush=True)
+        sys.exit(75)  # EX_TEMPFAIL: a job scheduler may retry it
     except KeyboardInterrupt:
         print("raychat: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)

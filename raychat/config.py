@@ -11,8 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from raychat.common import RaychatError
-from raychat.storage import redact
+from raychat.common import RaychatError, check_name
+from raychat.storage import SafeLocation
 
 
 def _flag(default: Any, help: str, group: str, **kw: Any) -> Any:
@@ -75,7 +75,13 @@ class TrainConfig:
     eval_tokens: int = _flag(80 * 524288, "validation tokens per evaluation (at most the val split's "
                              "documents once)", "evaluation")
     sample_every: int = _flag(2000, "print greedy samples every N steps (-1 = only at the end)", "evaluation")
-    save_every: int = _flag(-1, "save a checkpoint every N steps (-1 = only at the end)", "evaluation")
+    save_every: int = _flag(0, "save a checkpoint every N steps and at the end (0 = auto: as often as saves "
+                            "stall training at most 1/100 of its time and are written before the next, "
+                            "at least every --max-lost-minutes of training; -1 = only at the end)",
+                            "evaluation")
+    max_lost_minutes: float = _flag(1.0, "--save-every 0: the most training a node lost without notice "
+                                    "should redo, in minutes (the checkpoint interval plus a save's write)",
+                                    "evaluation")
     core_metric_every: int = _flag(2000, "evaluate nanochat's CORE metric every N steps and at the end "
                                    "(-1 or 0 = off); needs the eval bundle (see --eval-bundle)", "evaluation")
     core_metric_max_per_task: int = _flag(500, "examples per CORE task, a fixed seeded subsample (-1 = all)",
@@ -119,6 +125,8 @@ class TrainConfig:
                         "small model in a few minutes on a laptop CPU", "ray", choices=("", "cpu"))
 
     def __post_init__(self) -> None:
+        for name in LOCATION_FIELDS:  # their credentials never in a message, a log or Ray's state
+            setattr(self, name, SafeLocation(getattr(self, name)))
         self.validate()
 
     def validate(self) -> None:
@@ -145,6 +153,12 @@ class TrainConfig:
         if not 0 <= self.final_lr_frac <= 1:  # outside, the lr multiplier would turn negative or overshoot
             raise RaychatError(f"--final-lr-frac must be within [0, 1], got {self.final_lr_frac}")
         self.worker_range()  # raises on a malformed --num-workers
+        if self.max_lost_minutes <= 0:
+            raise RaychatError(f"--max-lost-minutes must be positive, got {self.max_lost_minutes} "
+                               "(--save-every N or -1 sets a fixed cadence instead)")
+        for flag, value in (("--run-name", self.run_name), ("--model-tag", self.model_tag)):
+            if value:  # a directory name under --storage-path, never a path out of it
+                check_name(value, flag)
         if self.resize_check_every < 0:
             raise RaychatError(f"--resize-check-every must be >= 0 seconds, got {self.resize_check_every}")
 
@@ -173,11 +187,11 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def to_public_dict(self) -> dict[str, Any]:
-        """The flags as they may be shown and stored (checkpoint metadata, wandb): the locations
-        without the credentials a URI can carry (raychat.storage.redact)."""
+        """The flags as they may be shown and stored (checkpoint metadata, wandb): plain values, the
+        locations without the credentials a URI can carry (raychat.storage.SafeLocation)."""
         values = self.to_dict()
-        for name in ("storage_path", "data_dir", "tokenizer_dir"):
-            values[name] = redact(values[name])
+        for name in LOCATION_FIELDS:
+            values[name] = str(values[name])
         return values
 
     @classmethod
@@ -186,15 +200,39 @@ class TrainConfig:
         return cls(**{k: v for k, v in values.items() if k in known})
 
 
+LOCATION_FIELDS = ("storage_path", "data_dir", "tokenizer_dir")
+
 # Presets: a named set of flag values applied before the user's own flags.
 PRESETS: dict[str, dict[str, Any]] = {
-    # A model that learns visibly within minutes on 2 CPU cores (bench.step's configuration A).
+    # A model that learns visibly within minutes on 2 CPU cores (bench.step's configuration A);
+    # checkpoints on the auto cadence every run gets (raychat.run.cadence).
     "cpu": dict(
         depth=4, head_dim=64, max_seq_len=512, window_pattern="L", device_batch_size=8,
-        total_batch_size=4096, num_iterations=200, warmup_steps=20, eval_every=50,
-        eval_tokens=16 * 4096, sample_every=200, save_every=50, vocab_size=8192, core_metric_every=-1,
+        total_batch_size=4096, num_iterations=60, warmup_steps=6, eval_every=20,
+        eval_tokens=4 * 4096, sample_every=-1, vocab_size=8192, core_metric_every=-1,
     ),
 }
+# Why each preset is what it is, printed after the plan (`preset_note`).
+PRESET_REASONS = {
+    # 2 x86 cores without AVX-512 train d4 at ~1,000 tok/s (fp32; ~3,000 with AVX-512 and bf16), where
+    # the first, 200-step preset took 18.6 min of wall time (2026-12-02, bench/RESULTS.md).
+    "cpu": "about 4 minutes of steps on 2 x86 cores without AVX-512 (~1,000 tok/s), less with it, so a "
+           "first run ends in minutes with val bpb clearly falling; --num-iterations N trains on (the same "
+           "--run-name resumes)",
+}
+
+
+def preset_note(name: str) -> str | None:
+    """What a preset chose and why, for the driver to print after the plan (None: no preset)."""
+    if name not in PRESETS:
+        return None
+    p = PRESETS[name]
+    tokens = p["num_iterations"] * p["total_batch_size"]
+    return (f"Preset {name}: d{p['depth']}, {p['num_iterations']} steps of {p['total_batch_size']:,} tokens "
+            f"({tokens:,} in all), validation every {p['eval_every']} steps on {p['eval_tokens']:,} tokens, "
+            f"samples at the end: {PRESET_REASONS[name]}; flags given override these (the plan above is "
+            "what runs)")
+
 
 GROUP_TITLES = {
     "model": "model shape",

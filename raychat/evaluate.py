@@ -13,13 +13,13 @@ import torch
 
 from raychat.checkpoint.format import read_meta
 from raychat.checkpoint.reader import load_checkpoint
-from raychat.common import RaychatError, default_storage_path, default_tokenizer_dir, run_cli
+from raychat.common import RaychatError, default_tokenizer_dir, run_cli
 from raychat.evaluation.bundle import cached_bundle, default_bundle_dir
 from raychat.evaluation.core import Results, combine, format_task_line, score_shard
 from raychat.model.gpt import GPT, GPTConfig, build_model
 from raychat.run.runtime_env import worker_runtime_env
 from raychat.sample import find_checkpoint
-from raychat.storage import Storage
+from raychat.storage import run_directory
 from raychat.tokenizer.core import Tokenizer, check_vocab
 
 
@@ -60,7 +60,7 @@ def core(args: argparse.Namespace) -> int:
         raise RaychatError(f"--num-workers must be at least 1, got {args.num_workers}")
     bundle_dir = str(args.eval_bundle or default_bundle_dir())
     bundle = cached_bundle(bundle_dir)  # a missing or malformed bundle fails here, before any model loads
-    run = Storage(args.storage_path or str(default_storage_path())).child(args.run_name)
+    run = run_directory(args.storage_path, args.run_name)
     checkpoint = find_checkpoint(run, args.step)
     tokenizer_dir = str(args.tokenizer_dir or default_tokenizer_dir())
     meta = read_meta(checkpoint)

@@ -31,10 +31,10 @@ from raychat.checkpoint.format import read_meta
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.nanochat import MODEL_CONFIG_KEYS, NANOCHAT_COMMIT, nanochat_keys
 from raychat.checkpoint.reader import load_checkpoint
-from raychat.common import RaychatError, default_storage_path, default_tokenizer_dir, run_cli
+from raychat.common import RaychatError, check_name, default_tokenizer_dir, run_cli
 from raychat.model.gpt import GPTConfig
 from raychat.sample import find_checkpoint
-from raychat.storage import Storage
+from raychat.storage import Storage, run_directory
 from raychat.tokenizer.core import Tokenizer, check_vocab
 
 
@@ -116,14 +116,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtype of wte and value_embeds: bf16 as nanochat stores them (default; the same "
                              "forward in bf16), or fp32 (bit-exact)")
     args = parser.parse_args(argv)
-    run = Storage(args.storage_path or str(default_storage_path())).child(args.run_name)
+    run = run_directory(args.storage_path, args.run_name)
+    out = Path(args.out).expanduser().resolve()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise RaychatError(f"--out {args.out}: {existing} is a file, not a directory: choose a directory")
     checkpoint = find_checkpoint(run, args.step)
     tokenizer = Tokenizer.load(args.tokenizer_dir or default_tokenizer_dir())
     meta = read_meta(checkpoint)
     default_tag = meta.user_config.get("model_tag") or f"d{meta.model_config['n_layer']}"
-    tag = args.model_tag or default_tag
+    tag = check_name(args.model_tag or default_tag, "--model-tag")  # a directory under --out, not a path
     dtype = torch.bfloat16 if args.embedding_dtype == "bf16" else torch.float32
-    model_file = export_nanochat(checkpoint, tokenizer, Path(args.out).expanduser().resolve(), tag, dtype)
+    model_file = export_nanochat(checkpoint, tokenizer, out, tag, dtype)
     print(f"Wrote {model_file} (step {meta.step}), its meta and the tokenizer under {args.out}: run "
           f"nanochat with NANOCHAT_BASE_DIR={args.out} and --model-tag {tag}")
     return 0

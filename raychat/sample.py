@@ -11,11 +11,11 @@ import torch
 
 from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
 from raychat.checkpoint.reader import load_checkpoint
-from raychat.common import RaychatError, default_storage_path, default_tokenizer_dir, run_cli
+from raychat.common import RaychatError, default_tokenizer_dir, run_cli
 from raychat.model.generate import generate
 from raychat.model.gpt import GPTConfig, build_model
 from raychat.run.evaluate import SAMPLE_PROMPTS
-from raychat.storage import Storage
+from raychat.storage import Storage, run_directory
 from raychat.tokenizer.core import Tokenizer, check_vocab
 
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=42, help="sampling seed")
     args = parser.parse_args(argv)
 
-    run = Storage(args.storage_path or str(default_storage_path())).child(args.run_name)
+    run = run_directory(args.storage_path, args.run_name)
     ckpt = find_checkpoint(run, args.step)
     tokenizer = Tokenizer.load(args.tokenizer_dir or default_tokenizer_dir())
     meta = read_meta(ckpt)

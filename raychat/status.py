@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from raychat.checkpoint.format import latest_valid_checkpoint
-from raychat.common import RaychatError, default_storage_path, run_cli
+from raychat.common import RaychatError, run_cli
 from raychat.run.metrics_log import read_timeline
-from raychat.storage import Storage
+from raychat.storage import Storage, run_directory
 
 TRAIN_RUNS_API = "/api/train/v2/runs/v1"
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
@@ -82,7 +82,7 @@ def storage_lines(run: Storage) -> list[str]:
     if timeline.evals:
         last_eval = timeline.evals[-1]
         lines.append(f"  last eval at step {last_eval['step']}: val bpb {last_eval['val_bpb']:.4f}")
-    return lines
+    return lines + ["  " + line.removeprefix("- ") for line in timeline.ledger.lines()[:2]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the Ray dashboard's URL (default {DEFAULT_DASHBOARD})")
     parser.add_argument("--storage-only", action="store_true", help="skip Ray: no cluster is running")
     args = parser.parse_args(argv)
-    run = Storage(args.storage_path or str(default_storage_path())).child(args.run_name)
+    run = run_directory(args.storage_path, args.run_name)
     lines = [] if args.storage_only else ray_lines(train_runs(args.address, auth_token()), args.run_name)
     print("\n".join(lines + storage_lines(run)))
     return 0

@@ -8,18 +8,19 @@ URI's path, never appended after its `?query` and never through `pathlib` (which
 `s3:/`).
 """
 
+import os
 import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raychat.common import RaychatError
+from raychat.common import RaychatError, check_name, default_storage_path
 
 
 def is_uri(location: str) -> bool:
@@ -27,10 +28,13 @@ def is_uri(location: str) -> bool:
 
 
 def join_uri(location: str, *names: str) -> str:
-    """`location`/`names` for a local path or a URI, keeping a URI's ?query at the end."""
+    """`location`/`names` for a local path or a URI, keeping a URI's ?query at the end (and a
+    SafeLocation's credentials, out of sight)."""
     names = tuple(n.strip("/") for n in names if n.strip("/"))
     if not names:
         return location
+    if isinstance(location, SafeLocation):
+        return SafeLocation(join_uri(location.unredacted(), *names))
     if not is_uri(location):
         return str(Path(location, *names))
     parts = urlsplit(location)
@@ -44,8 +48,8 @@ SECRET_PARAM = re.compile(r"key|token|secret|password|credential", re.IGNORECASE
 
 
 def redact(location: str) -> str:
-    """`location` safe to print, log or store: a URI's user:password@ and credential parameters
-    (`s3://KEY:SECRET@bucket/...`, `?secret_key=...`, which pyarrow accepts) become `***`."""
+    """`location` safe to print, log or store: a URI's user:password@ (`s3://KEY:SECRET@bucket/...`)
+    and any credential-like query parameter become `***`."""
     if not is_uri(location):
         return location
     parts = urlsplit(location)
@@ -59,11 +63,44 @@ def redact(location: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-def normalize_location(location: str) -> str:
-    """An absolute local path (user and relative paths resolved) or the URI as given."""
-    if is_uri(location):
-        return location.rstrip("/") if "?" not in location else location
-    return str(Path(location).expanduser().resolve())
+class SafeLocation(str):
+    """A location whose credentials cannot be printed: its value, and with it every str(), repr,
+    f-string, join, `json.dumps` and Ray's run state of it, is the redacted URI. The full URI rides
+    along (pickled with it, so a worker can open the bucket) and is read only where a filesystem is
+    built (`Storage`) and where a child location is made from it (`join_uri`)."""
+
+    def __new__(cls, uri: str) -> "SafeLocation":
+        uri = uri.unredacted() if isinstance(uri, SafeLocation) else uri
+        self = super().__new__(cls, redact(uri))
+        self._uri = uri
+        return self
+
+    def unredacted(self) -> str:
+        """The URI with its credentials: for `pyarrow.fs` only, never for a message."""
+        return self._uri
+
+    def scrub(self, text: str) -> str:
+        """`text` (an error from the filesystem, say) with this location's credentials as `***`."""
+        parts = urlsplit(self._uri) if is_uri(self._uri) else None
+        if parts is None:
+            return text
+        text = text.replace(self._uri, self)
+        secrets = [parts.username, parts.password]
+        secrets += [v for k, v in parse_qsl(parts.query) if SECRET_PARAM.search(k)]
+        for secret in filter(None, secrets):
+            text = text.replace(secret, "***").replace(unquote(secret), "***")
+        return text
+
+
+def normalize_location(location: "str | Path") -> SafeLocation:
+    """An absolute local path (user and relative paths resolved) or the URI as given, as a
+    SafeLocation (which keeps the credentials a URI may carry out of every message)."""
+    uri = location.unredacted() if isinstance(location, SafeLocation) else str(location)  # str(): a Path
+    if not is_uri(uri):
+        uri = str(Path(uri).expanduser().resolve())
+    elif "?" not in uri:
+        uri = uri.rstrip("/")
+    return SafeLocation(uri)
 
 
 class Storage:
@@ -73,20 +110,20 @@ class Storage:
         self.location = normalize_location(location)
         if filesystem is None:
             try:
-                filesystem, root = pafs.FileSystem.from_uri(self.location)
+                filesystem, root = pafs.FileSystem.from_uri(self.location.unredacted())
             except (pa.ArrowException, OSError, ValueError) as e:
-                reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise RaychatError(f"cannot open storage {redact(self.location)}: {reason}; check the URI's "
+                reason = self.location.scrub((str(e).strip().splitlines() or [type(e).__name__])[0])
+                raise RaychatError(f"cannot open storage {self.location}: {reason}; check the URI's "
                                    "scheme, bucket and query parameters") from None
         self.fs = filesystem
         self.root = root.rstrip("/") or "/"
 
     def __repr__(self) -> str:
-        return f"Storage({redact(self.location)!r})"
+        return f"Storage({self.location!r})"
 
     def __str__(self) -> str:
         """The location without credentials: what every message and log line shows."""
-        return redact(self.location)
+        return str(self.location)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Storage) and other.location == self.location
@@ -100,7 +137,7 @@ class Storage:
 
     @classmethod
     def of(cls, location: "str | Path | Storage") -> "Storage":
-        return location if isinstance(location, Storage) else cls(str(location))
+        return location if isinstance(location, Storage) else cls(location)
 
     @property
     def is_local(self) -> bool:
@@ -169,21 +206,118 @@ class Storage:
         elif info.type != pafs.FileType.NotFound:
             self.fs.delete_file(self.path(name))
 
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Create `name` holding `data` if nothing is there yet, atomically: True if this call
+        created it, False if it existed. Two callers racing never both get True, and a reader sees
+        the whole file or none (what a run's lease epochs rest on, raychat.checkpoint.fence).
+
+        Local disk and NFS: the data goes to a private temporary file, then `link` publishes it
+        under `name`, which fails if `name` exists (atomic on POSIX and NFSv3+, like O_EXCL). S3: a
+        PUT with `If-None-Match: *` (AWS S3 since 2024, MinIO, moto 5.2). Other stores are refused:
+        a lease that rests on timing is not a lease."""
+        if self.is_local:
+            self.make_dir()
+            tmp = self.path(f".{name}.{uuid.uuid4().hex}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, self.path(name))
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+        bucket, key = self._bucket_key(name)
+        try:
+            self._s3_client().put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            return True
+        except botocore_errors().ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "")
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if code in ("PreconditionFailed", "412"):
+                return False
+            # A racing create still in flight (409: it wins or fails), throttling, a 5xx: transient
+            # (raychat.faults retries ConnectionError), never "created" and never "taken".
+            if code in ("ConditionalRequestConflict", "SlowDown", "Throttling") or status in (409, 429) \
+                    or status >= 500:
+                raise ConnectionError(f"creating {self.child(name)}: {code or status}") from None
+            raise OSError(f"creating {self.child(name)}: {code or e}") from None
+        except botocore_errors().BotoCoreError as e:  # endpoint unreachable, read timeout, reset
+            raise ConnectionError(f"creating {self.child(name)}: {type(e).__name__}") from None
+
+    def replace_atomically(self, name: str, data: bytes) -> None:
+        """Overwrite `name` so that a reader sees the old or the new content, never a torn or empty
+        file (local: temporary file and rename; object stores publish a PUT whole)."""
+        if not self.is_local:
+            self.write_bytes(name, data)
+            return
+        self.make_dir()
+        tmp = self.path(f".{name}.{uuid.uuid4().hex}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path(name))
+
+    def _bucket_key(self, name: str) -> tuple[str, str]:
+        if urlsplit(self.location).scheme != "s3":
+            raise RaychatError(
+                f"{self} is on a store where raychat cannot create a file atomically (it can on local disk, "
+                "NFS and S3-compatible buckets): one writer per run cannot be guaranteed there; use an s3:// "
+                "location (GCS has an S3-compatible endpoint: storage.googleapis.com) or a shared filesystem")
+        bucket, _, prefix = self.path(name).lstrip("/").partition("/")
+        return bucket, prefix
+
+    def _s3_client(self):
+        """A boto3 client for this location's endpoint and credentials (pyarrow exposes no
+        conditional writes). Credentials come from the URI when it carries them, else from boto3's
+        own chain (environment, profile, instance role), as pyarrow's do."""
+        import boto3
+
+        parts = urlsplit(self.location.unredacted())  # the client is built here, with the credentials
+        query = dict(parse_qsl(parts.query))
+        endpoint = query.get("endpoint_override")
+        if endpoint and "://" not in endpoint:
+            endpoint = f"{query.get('scheme', 'https')}://{endpoint}"
+        kwargs: dict = {"endpoint_url": endpoint or None, "region_name": query.get("region") or None}
+        if parts.username:
+            kwargs.update(aws_access_key_id=unquote(parts.username),
+                          aws_secret_access_key=unquote(parts.password or ""))
+        return boto3.client("s3", **kwargs)
+
     def check_writable(self, flag: str = "--storage-path") -> None:
         """Write and delete a probe file, or raise one RaychatError line naming the URI and the fix.
 
         Called before any worker starts, so an unreachable endpoint, a missing bucket, missing
         credentials or a refused write costs seconds, not a run.
         """
+        from raychat.faults import retry_transient  # (it imports nothing of storage)
+
         probe = f".raychat_write_test_{uuid.uuid4().hex}"
         try:
-            self.write_bytes(probe, b"ok")
-            self.delete(probe)
+            retry_transient(lambda: self.write_bytes(probe, b"ok"), f"writing a probe file in {self}")
+            retry_transient(lambda: self.delete(probe), f"deleting the probe file in {self}")
         except (OSError, pa.ArrowException) as e:
-            raise RaychatError(f"{flag} {self} is not writable: {_storage_reason(e)}") from None
+            raise RaychatError(f"{flag} {self} is not writable: {self.location.scrub(_storage_reason(e))}"
+                               ) from None
 
 
 Location = str | Path | Storage
+
+
+def botocore_errors():
+    """botocore's exceptions module, imported when a bucket is used (boto3 is only needed there)."""
+    import botocore.exceptions
+
+    return botocore.exceptions
+
+
+def run_directory(storage_path: str, run_name: str) -> Storage:
+    """The directory of the run a command reads (--run-name under --storage-path, default
+    $RAYCHAT_HOME/runs); a --run-name that is not a name is refused first."""
+    return Storage(storage_path or default_storage_path()).child(check_name(run_name, "--run-name"))
 
 
 def _storage_reason(error: BaseException) -> str:

@@ -11,14 +11,15 @@ import sys
 import time
 
 from raychat.common import run_cli
-from raychat.config import add_config_flags, config_from_args
+from raychat.config import add_config_flags, config_from_args, preset_note
 from raychat.data.budget import corpus_budget_lines
+from raychat.run.cadence import plan_line
 from raychat.run.driver import connect_ray, fit_run, prepare_run, summary_lines
 from raychat.scaling import format_plan
 
 EPILOG = """\
 Examples:
-  python -m raychat.train --preset cpu     # small model, a few minutes on a laptop CPU
+  python -m raychat.train --preset cpu     # small model, minutes on a laptop CPU
   python -m raychat.train --depth 12 --num-workers 8
   ray job submit --working-dir . -- python -m raychat.train --depth 24 \\
       --num-workers 8:16 --storage-path s3://bucket/runs
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     add_config_flags(parser)
     run = prepare_run(config_from_args(parser.parse_args(argv)))
     print(format_plan(run.plan), flush=True)
+    if (note := preset_note(run.cfg.preset)) is not None:
+        print(note, flush=True)
+    print(plan_line(run.cfg.save_every, run.cfg.max_lost_minutes), flush=True)
     for line in corpus_budget_lines(run.plan, run.index, run.tokenizer):
         print(line, flush=True)
     connect_ray(run.cfg)

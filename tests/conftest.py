@@ -181,3 +181,16 @@ def tiny_corpus(tmp_path_factory):
         writer.add_val(docs[-40:])
     train_tokenizer(root / "data", root / "tokenizer", vocab_size=512, log=lambda *_: None)
     return root / "data", root / "tokenizer"
+
+
+# Tiers: `pytest -m unit` is the fast check before every commit (no Ray instance, no cluster, no
+# training run); the full `pytest` is what CI runs. A test is a unit test unless it is marked ray,
+# cluster or slow, or asks for the shared Ray instance.
+NOT_UNIT = {"ray", "cluster", "slow"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marks = {mark.name for mark in item.iter_markers()}
+        if not NOT_UNIT & marks and "ray_session" not in item.fixturenames:
+            item.add_marker(pytest.mark.unit)

@@ -114,14 +114,14 @@ def test_corpus_commands_range_reads_and_damage_on_a_bucket(s3_endpoint):
     assert "rank 1 sees another corpus" in str(changed.value) and "\n" not in str(changed.value)
     with pytest.raises(RaychatError, match=r"shard_00001\.parquet changed since the corpus was indexed"):
         read_unit_texts(index.val[0], location=uri)
-    # A shard deleted under a reader: retried with backoff, then one line naming the object.
+    # A shard deleted under a reader: no retry brings it back, so one line naming the object, at once.
     bucket.delete("shard_00000.parquet")
     started = time.monotonic()
     with pytest.raises(RaychatError) as missing:
         read_unit_texts(shard, location=uri)
     message = str(missing.value)
-    assert "shard_00000.parquet" in message and "after 4 tries" in message and "\n" not in message
-    assert 3 < time.monotonic() - started < 30
+    assert "shard_00000.parquet is gone" in message and "\n" not in message
+    assert time.monotonic() - started < 3
 
 
 def test_download_streams_the_hub_into_a_bucket_and_resumes(s3_endpoint, hub_files, tmp_path,  # noqa: F811 (the fixture)
@@ -261,5 +261,5 @@ def test_a_shard_deleted_mid_run_ends_the_run_in_one_line(ray_session, tiny_corp
         if proc.poll() is None:
             proc.kill()
     line = one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    assert last_train in line and "after 4 tries" in line, line
+    assert f"{last_train} is gone" in line, line
     assert len(log_lines(out, STEP_LINE)) < 200

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from raychat.checkpoint.convert import main as convert_main
 from raychat.checkpoint.format import (
     MANIFEST_FILE,
+    branch,
     damage,
     latest_valid_checkpoint,
     list_checkpoints,
@@ -346,9 +347,13 @@ def test_latest_and_pruning_follow_the_lineage_not_the_clock(tmp_path):
     shutil.copytree(run.root, copy.root, copy_function=shutil.copy)  # cp -r: every mtime is now
     assert [c.name for c in list_checkpoints(copy)] == lineage
     # A save resumed from the branch with --keep-checkpoints 1 keeps what it wrote and where it
-    # resumed from, and prunes the rest, oldest in lineage first.
+    # resumed from, and prunes the rest of its branch. The abandoned 6 and 9 are on no branch it
+    # knows of (no lease record says the run was rewound past them: test_lease covers that) and
+    # are left alone.
     _save_steps(CheckpointSaver(copy, keep=1, rank=0, world_size=1, log=quiet,
                                 parent=read_meta(copy.child("checkpoint_000004")),
                                 parent_name="checkpoint_000004"), [5])
-    assert [c.name for c in list_checkpoints(copy)] == ["checkpoint_000004", "checkpoint_000005"]
-    assert [read_meta(c).sequence for c in list_checkpoints(copy)] == [4, 5]
+    assert [c.name for c in list_checkpoints(copy)] == ["checkpoint_000006", "checkpoint_000009",
+                                                        "checkpoint_000004", "checkpoint_000005"]
+    assert [c.name for c in branch(copy)] == ["checkpoint_000005", "checkpoint_000004"]
+    assert [read_meta(c).sequence for c in list_checkpoints(copy)] == [2, 3, 4, 5]

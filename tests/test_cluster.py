@@ -4,7 +4,11 @@ Grafana dashboard parses and charts every raychat_ gauge."""
 
 import copy
 import json
+import os
 import re
+import shlex
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -130,3 +134,61 @@ def test_grafana_dashboard_charts_every_raychat_gauge():
     assert all(p["datasource"] == "${datasource}" for p in dashboard["panels"])
     for e in exprs:  # every query honours the dashboard's filters
         assert '$SessionName' in e and '$run' in e, e
+
+
+# Failure detection tuned for training (bench/RESULTS.md, "Recovery"): every config starts its head with it.
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+
+
+def head_system_config(path: Path) -> tuple[list[str], dict]:
+    """(the `ray start --head` command's words, its --system-config) in a cluster config: the
+    launcher YAMLs' head_start_ray_commands, the KubeRay head's rayStartParams (flags to ray start)."""
+    config = load(path)
+    if "head_start_ray_commands" in config:
+        command = next(c for c in config["head_start_ray_commands"] if "ray start --head" in c)
+        words = shlex.split(command.split(";")[-1])  # after `ulimit ...;`, as the shell splits it
+    else:
+        params = config["spec"]["headGroupSpec"]["rayStartParams"]
+        words = ["ray", "start", "--head", *shlex.split(" ".join(f"--{k}={v}" for k, v in params.items()))]
+    flags = dict(w.removeprefix("--").split("=", 1) for w in words if w.startswith("--") and "=" in w)
+    return words, json.loads(flags.get("system-config", "{}"))
+
+
+@pytest.mark.parametrize("path", [*CLUSTER_YAMLS, ROOT / "cluster" / "kuberay" / "raycluster.yaml"],
+                         ids=lambda p: p.name)
+def test_heads_start_with_failure_detection_tuned_for_training(path):
+    _, system_config = head_system_config(path)
+    assert system_config == HEALTH_CHECKS, system_config
+
+
+def test_the_h100_heads_command_reaches_a_real_head(tmp_path):
+    """`ray start` as cluster/h100.yaml runs it on the head (its environment, flags and system config;
+    a free port instead of 6379 and no fixed ports or autoscaler file, which this machine lacks),
+    and the GCS of that head reports the health-check settings as its own."""
+    import socket
+
+    from bench.multinode import stop_processes_under
+
+    words, _ = head_system_config(ROOT / "cluster" / "h100.yaml")
+    env = dict(os.environ, **dict(w.split("=", 1) for w in words[:words.index("ray")]))
+    clash = ("--port=", "--object-manager-port=", "--autoscaling-config=", "--metrics-export-port=")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp = f"/tmp/rc-{os.getpid()}"  # short: Ray's socket paths live under it
+    start = [*words[words.index("ray"):], f"--port={port}", f"--temp-dir={temp}", "--include-dashboard=false"]
+    start = [w for w in start if not w.startswith(clash) or w == f"--port={port}"]
+    try:
+        started = subprocess.run(start, capture_output=True, text=True, timeout=120, env=env)
+        assert started.returncode == 0, started.stderr[-2000:]
+        read = ("import json, ray; from ray._private.state import state; "
+                f"ray.init(address='127.0.0.1:{port}', log_to_driver=False); "
+                "print(json.dumps(state.get_system_config()))")
+        done = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, timeout=120,
+                              env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        effective = json.loads(done.stdout.strip().splitlines()[-1])
+        assert {k: int(effective[k]) for k in HEALTH_CHECKS} == HEALTH_CHECKS, effective
+    finally:
+        stop_processes_under(temp)  # this head only: other Ray instances on the machine stay up
+        shutil.rmtree(temp, ignore_errors=True)

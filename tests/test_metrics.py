@@ -100,7 +100,9 @@ def test_one_record_reaches_the_line_wandb_and_the_metrics_log(wandb_env, monkey
     assert [(r["_step"], r.get("train/loss")) for r in rows if "train/loss" in r] == [("100", "4")]
     timeline = read_timeline(run)
     assert [r["step"] for r in timeline.steps] == [99, 100, 101]
-    assert timeline.steps[1] == {"kind": "step", "time": timeline.steps[1]["time"], **vars(steps[1])}
+    # ... and the attempt's running time outside steps, for the time ledger (raychat.run.ledger)
+    assert timeline.steps[1] == {"kind": "step", "time": timeline.steps[1]["time"], **vars(steps[1]),
+                                 "eval_s_so_far": 0.0, "checkpoint_s_so_far": 0.0}
     assert timeline.steps[1]["tokens_so_far"] == 101 * 2**19
     assert [(e["step"], e["val_bpb"]) for e in timeline.evals] == [(102, 1.75)]
     assert timeline.samples[0]["samples"] == ["The capital of France is Paris"]
@@ -115,7 +117,7 @@ def test_unknown_gauge_name_is_an_error():
     with pytest.raises(ValueError, match="known: loss, tokens_per_sec"):
         metrics.update(los=1.0)
     assert set(GAUGES) == {"loss", "tokens_per_sec", "mfu", "val_bpb", "step", "world_size",
-                           "data_wait_seconds", "core_metric"}
+                           "data_wait_seconds", "core_metric", "goodput"}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ import pytest
 from test_train import STEP_LINE, VAL_LINE, log_lines, run_train, tiny_flags
 
 from raychat.run import quiet
+from raychat.run.console import print_batch
+from raychat.run.driver import ray_line
+from raychat.run.ray_internals import PROGRESS_NOTICE, TOKEN_AUTH_LOGGER
 
 CHATTER = ["Reporting training result", "registers for logging", "execution finished",
            "Starting execution of Dataset", "exclude_resources"]
@@ -24,6 +27,10 @@ def test_tiny_run_calls_no_deprecated_ray_api_and_logs_no_chatter(ray_session, t
     assert result.returncode == 0, out[-3000:]
     assert [int(m.group(1)) for m in log_lines(result.stdout, STEP_LINE)] == list(range(6))
     assert [int(m.group(1)) for m in log_lines(result.stdout, VAL_LINE)] == [0, 3, 6]
+    # The default cadence (--save-every 0) checkpoints before the end: 5 steps in, a save that
+    # measures what saves cost (raychat.run.cadence), then the end.
+    assert "Checkpoints: auto (--save-every 0)" in result.stdout
+    assert "Checkpoint checkpoint_000005 saved" in result.stdout
     assert [line for line in out.splitlines() if any(c in line for c in CHATTER)] == []
     assert "deprecat" not in out.lower(), [line for line in out.splitlines() if "deprecat" in line.lower()]
 
@@ -33,24 +40,64 @@ def restored_logging():
     """quiet_ray changes process-wide logging and warning filters: put them back after the test."""
     import ray.data  # noqa: F401  (its import configures the loggers this test looks at)
 
-    report_logger = quiet._train_report_logger()
+    chatty = [*quiet.chatty_loggers(), logging.getLogger(TOKEN_AUTH_LOGGER)]
+    progress = logging.getLogger(PROGRESS_NOTICE[0])
     handlers = [h for h in logging.getLogger("ray.data").handlers if isinstance(h, logging.StreamHandler)]
-    levels = (report_logger.level, [h.level for h in handlers])
+    levels = ([logger.level for logger in chatty], [h.level for h in handlers], list(progress.filters))
     with warnings.catch_warnings():
-        yield report_logger, handlers
-    report_logger.setLevel(levels[0])
+        yield chatty, handlers
+    for logger, level in zip(chatty, levels[0], strict=True):
+        logger.setLevel(level)
     for handler, level in zip(handlers, levels[1], strict=True):
         handler.setLevel(level)
+    progress.filters[:] = levels[2]
 
 
 def test_verbose_keeps_rays_chatter(restored_logging, monkeypatch):
-    report_logger, console = restored_logging
+    chatty, console = restored_logging
     assert console, "Ray Data's console handler moved: update raychat.run.quiet"
-    before = (report_logger.level, [h.level for h in console])
-    assert before[0] < logging.WARNING and all(level < logging.WARNING for level in before[1])
+    before = ([logger.level for logger in chatty], [h.level for h in console])
+    assert all(level < logging.WARNING for level in before[0] + before[1])
+    notice = logging.LogRecord(PROGRESS_NOTICE[0], logging.WARNING, __file__, 0,
+                               "Progress bars disabled. To enable, set ...", None, None)
+    progress = logging.getLogger(PROGRESS_NOTICE[0])
     monkeypatch.setenv(quiet.VERBOSE_ENV, "1")
     quiet.quiet_ray()
-    assert (report_logger.level, [h.level for h in console]) == before
+    assert ([logger.level for logger in chatty], [h.level for h in console]) == before
+    assert progress.filter(notice)
     monkeypatch.delenv(quiet.VERBOSE_ENV)
     quiet.quiet_ray()
-    assert report_logger.level == logging.WARNING and all(h.level == logging.WARNING for h in console)
+    assert all(logger.level >= logging.WARNING for logger in chatty)
+    assert all(h.level == logging.WARNING for h in console)
+    assert not progress.filter(notice)  # the notice of a choice raychat made; the logger's other lines pass
+    other = logging.LogRecord(PROGRESS_NOTICE[0], logging.WARNING, __file__, 0, "something else", None, None)
+    assert progress.filter(other)
+
+
+def test_driver_drops_rays_preemption_watcher_error_and_keeps_other_errors(capsys, monkeypatch):
+    """The one ERROR line Ray's own PreemptionCallback causes at every worker-group start is dropped
+    (raychat.run.ray_internals.PREEMPTION_WATCHER_ARGS); --verbose keeps it; other errors always show."""
+    watcher = ("[2026-12-02 23:21:54,518 E 29379 29379] core_worker.cc:2465: Actor with class name: "
+               "'PreemptionWatcher' and ID: '62f1' has constructor arguments in the object store and "
+               "max_restarts > 0.")
+    other = "[2026-12-02 23:21:54,600 E 29379 29379] core_worker.cc:100: something real"
+    printed = []
+    batch = {"pid": 1, "is_err": True, "actor_name": "TrainController", "lines": [watcher, other]}
+    monkeypatch.delenv(quiet.VERBOSE_ENV, raising=False)
+    print_batch(lambda data: printed.append(data["lines"]), batch)
+    print_batch(lambda data: printed.append(data["lines"]), {**batch, "lines": [watcher]})
+    assert printed == [[other]]
+    monkeypatch.setenv(quiet.VERBOSE_ENV, "1")
+    print_batch(lambda data: printed.append(data["lines"]), batch)
+    assert printed[-1] == [watcher, other]
+
+
+def test_ray_line_says_where_the_dashboard_is_and_how_to_get_its_token(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert ray_line("127.0.0.1:6379", "127.0.0.1:8265", joined=False) == (
+        "Ray: started a local instance; dashboard http://127.0.0.1:8265 (it asks for the cluster's token: "
+        "`ray get-auth-token` prints it)")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert ray_line("10.0.0.1:6379", "http://10.0.0.1:8265", joined=True) == (
+        "Ray: joined the cluster at 10.0.0.1:6379; dashboard http://10.0.0.1:8265")
+    assert ray_line("10.0.0.1:6379", None, joined=True) == "Ray: joined the cluster at 10.0.0.1:6379"

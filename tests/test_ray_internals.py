@@ -77,3 +77,43 @@ def test_a_train_controllers_resource_request_can_be_found_and_cancelled():
     source = inspect.getsource(_require(policy, "ScalingPolicy", policy.__name__).after_controller_start)
     assert 'f"train-{train_run_context.run_id}"' in source, f"Train's requester id changed ({NEEDED})"
     assert _module("raychat.run.ray_internals").train_requester_id("abc") == "train-abc", NEEDED
+
+
+def _logger_of(module_name: str) -> tuple[object, str]:
+    """A Ray module's own logger (`logger = logging.getLogger(__name__)`) and the module's source."""
+    module = _module(module_name)
+    logger = _require(module, "logger", module_name)
+    assert logger.name == module_name, f"{module_name} logs as {logger.name!r} ({NEEDED})"
+    return logger, inspect.getsource(module)
+
+
+def test_the_loggers_of_rays_chatter_still_say_it():
+    """raychat.run.quiet silences these loggers by name: each still exists and still says its line."""
+    internals = _module("raychat.run.ray_internals")
+    for name, phrase in internals.CHATTY_LOGGERS.items():
+        _, source = _logger_of(name)
+        assert phrase in source, f"{name} no longer says {phrase!r} ({NEEDED})"
+    _, source = _logger_of(internals.TOKEN_AUTH_LOGGER)
+    assert "Token authentication is enabled for this Ray cluster" in source, NEEDED
+    context = _module("ray.train.v2._internal.execution.context")
+    assert context.__file__ == internals.TRAIN_REPORT_LOGGER, NEEDED
+    source = inspect.getsource(context)
+    assert "logging.getLogger(__file__)" in source and "Reporting training result" in source, NEEDED
+    name, prefix = internals.PROGRESS_NOTICE
+    _, source = _logger_of(name)
+    assert prefix in source, f"{name} no longer says {prefix!r} ({NEEDED})"
+
+
+def test_rays_preemption_watcher_is_still_created_so():
+    """The ERROR line the driver drops comes from Ray's own PreemptionCallback: a restartable actor
+    created with the workers' actor handles as constructor arguments. When Ray changes that, the
+    line (and raychat's filter) can go."""
+    callback = _module("ray.train.v2._internal.callbacks.preemption_callback")
+    start = _require(callback, "PreemptionCallback", callback.__name__).after_worker_group_start
+    source = inspect.getsource(start)
+    assert "max_restarts=-1)(PreemptionWatcher)" in source and "worker_actors_by_rank=" in source, NEEDED
+    line = ("[2026-12-02 23:21:54,518 E 29379 29379] core_worker.cc:2465: Actor with class name: "
+            "'PreemptionWatcher' and ID: '62f1b2022e5f3a32440d702501000000' has constructor arguments in the "
+            "object store and max_restarts > 0. If the arguments in the object store go out of scope or are "
+            "lost, the actor restart will fail.")
+    assert _module("raychat.run.ray_internals").PREEMPTION_WATCHER_ARGS.search(line)

@@ -72,8 +72,13 @@ def test_report_of_a_tiny_run_and_its_rerun(ray_session, tiny_corpus, tmp_path, 
     assert "peak memory (rank 0):" in out and "MiB" in out
     assert "At step 16:" in out and "The capital of France is" in out
     written = run.child("report")
-    assert all(written.exists(name) for name in ("report.md", "loss.png", "throughput.png", "lrm.png"))
+    assert all(written.exists(name) for name in ("report.md", "loss.png", "throughput.png", "lrm.png",
+                                                 "time.png"))
     assert "![loss.png](loss.png)" in written.read_text("report.md")
+    # The time ledger counts each driver's own time, not the time between the two (raychat.run.ledger).
+    ledger = report.timeline.ledger
+    assert [(a.kind, a.step) for a in ledger.attempts] == [("first", 0), ("first", 12)]
+    assert 0 < ledger.goodput < 1 and f"goodput {100 * ledger.goodput:.1f}%" in out
 
     # A snapshot: the log as it stood after the first run's step 5 (a run still going).
     records = run.read_text(METRICS_FILE).splitlines()

@@ -14,6 +14,8 @@ import pytest
 import torch
 from test_train import STEP_LINE, all_files, log_lines, one_error_line, run_train, tiny_flags
 
+from raychat.checkpoint import fence
+from raychat.checkpoint.format import list_checkpoints, read_meta
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.reader import CheckpointReader
 from raychat.checkpoint.resume import candidates
@@ -26,7 +28,6 @@ from raychat.model.precision import resolve_precision
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.run.driver import ray_storage
-from raychat.run.lease import LEASE_FILE, RunLease
 from raychat.storage import Storage, redact
 
 SECRET_URI = "s3://AKIDEXAMPLE:wJalrXUtnFEMI@bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http"
@@ -43,40 +44,6 @@ def test_credentials_never_leave_the_uri():
     settings = ray_storage(SECRET_URI)
     assert settings["storage_path"] == "bucket/runs" and "storage_filesystem" in settings
     assert ray_storage("/data/runs") == {"storage_path": "/data/runs"}
-
-
-def test_a_second_lease_is_refused_while_the_first_beats(tmp_path):
-    run = Storage(str(tmp_path / "run"))
-    first, second = RunLease(run, heartbeat_s=0.2), RunLease(run, heartbeat_s=0.2)
-    first.acquire(log=lambda _: None)
-    try:
-        with pytest.raises(RaychatError, match=r"being trained by another driver .*--run-name$"):
-            second.acquire(log=lambda _: None)
-    finally:
-        first.release()
-    second.acquire(log=lambda _: None)  # released: free at once
-    second.release()
-
-
-def test_a_killed_drivers_lease_is_taken_over(tmp_path):
-    run_dir = tmp_path / "run"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from raychat.storage import Storage; "
-         "from raychat.run.lease import RunLease; RunLease(Storage(sys.argv[1]), 0.2).acquire(); "
-         "print('held', flush=True); time.sleep(600)", str(run_dir)],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(RaychatError, match="another driver"):
-            RunLease(Storage(str(run_dir)), heartbeat_s=0.2).acquire(log=lambda _: None)
-    finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
-    said = []
-    lease = RunLease(Storage(str(run_dir)), heartbeat_s=0.2)
-    lease.acquire(log=said.append)  # no heartbeat for 3 beats: the holder is gone
-    lease.release()
-    assert any("stale" in line for line in said)
 
 
 def test_a_checkpoint_the_driver_chose_that_is_gone_is_an_error(tmp_path):
@@ -146,21 +113,52 @@ def test_reruns_of_a_run_continue_or_are_refused_and_lose_nothing(ray_session, t
     assert "already reached its horizon" in again.stdout
     assert all_files(run) == before
 
-    # A second driver while the first trains: refused in one line, and the first one finishes.
+    # A second driver while the first trains: refused in one line. Then the first driver pauses
+    # (SIGSTOP: a long GC, a partition) past the takeover: a third takes the run over, the paused
+    # one's workers write nothing more (they stop at their next save), and once resumed the paused
+    # driver stops with one line naming the new holder. Nothing it wrote after the takeover is kept.
     longer = tiny_flags(tiny_corpus, storage, "run", *base, "--num-iterations", "400")
-    driver = subprocess.Popen([sys.executable, "-m", "raychat.train", *longer], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=ray_session.driver_env())
+    beat = {"RAYCHAT_LEASE_HEARTBEAT_S": "1"}
+    paused = subprocess.Popen([sys.executable, "-m", "raychat.train", *longer], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=ray_session.driver_env(**beat))
+    taker = None
     try:
-        for line in driver.stdout:  # the first step line: the lease is held and workers train
+        for line in paused.stdout:  # the first step line: the lease is held and workers train
             if log_lines(line, STEP_LINE):
                 break
-        second = run_train(ray_session, longer)
+        second = run_train(ray_session, longer, **beat)
         assert "being trained by another driver" in one_error_line(second)
+        paused.send_signal(signal.SIGSTOP)
+        taker = subprocess.Popen([sys.executable, "-m", "raychat.train", *longer], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env=ray_session.driver_env(**beat))
+        taken = []
+        for line in taker.stdout:
+            taken.append(line)
+            if log_lines(line, STEP_LINE):
+                break
+        assert any("is stale" in line and "taking it over" in line for line in taken), "".join(taken)[-3000:]
+        resumed_at = fence.read_record(run, 3).resumed  # epochs: 1 the first run, 2 paused, 3 taker
+        paused.send_signal(signal.SIGCONT)
+        out, _ = paused.communicate(timeout=120)
+        assert paused.returncode == 2, out[-3000:]
+        lost = [line for line in out.splitlines() if line.startswith("raychat: error:")]
+        assert len(lost) == 1 and "taken over by another driver" in lost[0], out[-3000:]
+        assert f"pid {taker.pid}" in lost[0] and "lease epoch 3" in lost[0]
+        # Its workers had stopped by themselves at their first save after the takeover: the fence.
+        fenced = "(lease epoch 3, this writer's 2): this writer stopped and wrote nothing more"
+        assert fenced in out, out[-3000:]
     finally:
-        driver.send_signal(signal.SIGINT)  # Ctrl-C: the driver lets go of its lease
-        driver.wait(timeout=120)
-    assert run.exists(LEASE_FILE)
-    assert '"released": true' in run.read_text(LEASE_FILE)
+        for driver in (paused, taker):
+            if driver is not None and driver.poll() is None:
+                driver.send_signal(signal.SIGCONT)
+                driver.send_signal(signal.SIGINT)  # Ctrl-C: the driver lets go of its lease
+                driver.wait(timeout=120)
+    # No checkpoint the paused driver's workers wrote after the takeover can be chosen.
+    for checkpoint in list_checkpoints(run):
+        meta = read_meta(checkpoint)
+        assert meta.lease_epoch == 3 or meta.sequence <= resumed_at, (checkpoint.name, meta.sequence)
+    assert fence.read_record(run, 3).released
+    assert fence.epochs(run) == [1, 2, 3]  # refused drivers and a finished run's rerun created none
 
 
 @pytest.mark.ray

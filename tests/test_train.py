@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 import torch
+from run_output import foreign_lines
 from trace_audit import assert_epoch1_exactly_once, attempts_by_step
 
 from raychat.checkpoint.format import damage, latest_valid_checkpoint, list_checkpoints, rank_file, read_meta
@@ -147,6 +148,7 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
              "--eval-every", "-1", "--save-every", "6"]
     trace = tmp_path / "trace"
     trace.mkdir()
+    launched = time.time()
     reference = subprocess.Popen(
         [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, storage, "reference", *flags)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_session.driver_env())
@@ -167,6 +169,7 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
         assert victim is not None, "rank 1 never reached step 9"
         os.kill(victim, signal.SIGKILL)
         crashed_out, _ = crashed.communicate(timeout=400)
+        crashed_wall = time.time() - launched
         reference_out, _ = reference.communicate(timeout=400)
     finally:
         for proc in (crashed, reference):
@@ -174,6 +177,14 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
                 proc.kill()
     assert crashed.returncode == 0, crashed_out[-3000:]
     assert reference.returncode == 0, reference_out[-3000:]
+    # The log is the run's (tests/run_output.py): raychat's lines, one per attempt with its world size,
+    # nodes and checkpoint, and real warnings and errors; none of Ray's narration of the restart.
+    foreign = foreign_lines(crashed_out)
+    assert foreign == [], foreign
+    starts = re.findall(r"^(Starting at step 0|Resumed from \S+ at step \d+) .*: training to step 24 at "
+                        r"world size 2 \(2 worker\(s\) on 1 node\(s\)\)", crashed_out, re.M)
+    assert len(starts) == 2 and starts[0] == "Starting at step 0", starts
+    assert re.search(r"^Ray: joined the cluster at \S+; dashboard http", crashed_out, re.M)
     # The restarted group resumed from the newest checkpoint the killed attempt had finished: a
     # multiple of --save-every, not after its last step, at most one save behind it (the save of the
     # kill's interval may still have been in flight). From the trace: worker output reaches the
@@ -203,6 +214,18 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
     redone = report.timeline.starts[-1]["redone_steps"]
     assert 0 <= redone <= last_killed + 1 - resumed
     assert f"1 restart at step(s) {resumed}: {redone} step(s) redone" in report.summary()
+    # The time ledger (raychat.run.ledger): the restart's entry split into its causes, every cause
+    # within the run's wall time (the driver's own, at most), summing to it, and goodput below 1.
+    ledger = report.timeline.ledger
+    assert [(a.kind, a.step) for a in ledger.attempts] == [("first", 0), ("restart", resumed)]
+    restart = ledger.attempts[1].seconds
+    assert restart["detect"] > 0 and restart["reschedule"] > 0 and restart["restore"] > 0, restart
+    assert restart["training"] > 0 and ledger.attempts[0].seconds["startup"] > 0
+    assert all(seconds >= 0 for seconds in ledger.seconds.values())
+    assert ledger.wall_s <= crashed_wall
+    assert abs(sum(ledger.seconds.values()) - ledger.wall_s) <= 0.02 * ledger.wall_s, ledger.seconds
+    assert (ledger.seconds["redone"] > 0) == (last_killed >= resumed)
+    assert 0 < ledger.goodput < 1 and "goodput" in report.summary() and "time.png" in report.figures
 
 
 # Local only: the accounting does not depend on where checkpoints live, and resuming from the bucket

@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from raychat.common import RaychatError, default_storage_path, run_cli
+from raychat.common import RaychatError, check_name, default_storage_path, run_cli
 from raychat.report.document import REPORT_FILE, write_run_report
 from raychat.run.metrics_log import METRICS_FILE
 from raychat.storage import Storage, join_uri, normalize_location
@@ -39,7 +39,7 @@ TRIAL_REPORTS_DIR = "trials"  # each trial's run report (raychat.report), inside
 
 COLUMNS = ["trial", "status", "depth", "width", "target_ratio", "flops_budget", "scaling_params",
            "total_params", "flops_per_token", "tokens", "tokens_per_param", "total_flops", "val_bpb",
-           "core_metric", "wall_time_s", "report"]
+           "core_metric", "wall_time_s", "goodput", "report"]
 
 
 def resolve_storage(storage_path: str = "") -> str:
@@ -158,6 +158,7 @@ def trial_row(trial: Trial) -> dict[str, Any]:
         "val_bpb": trial.last("val_bpb"),
         "core_metric": trial.last("core_metric"),
         "wall_time_s": trial.last("time_total_s"),
+        "goodput": trial.last("goodput"),  # of the trial's run so far (raychat.run.ledger)
     }
 
 
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="", help="where to write the CSV and PNG files, a directory or "
                         "a URI (default: <storage>/<name>/report)")
     args = parser.parse_args(argv)
-    path = experiment_path(args.name, args.storage_path)
+    path = experiment_path(check_name(args.name, "--name"), args.storage_path)
     write_report(path, args.out or default_out_dir(path))
     return 0
 

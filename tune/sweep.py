@@ -20,7 +20,6 @@ its run name and storage path do not change.
 import argparse
 import dataclasses
 import json
-import re
 import time
 
 import ray
@@ -28,10 +27,10 @@ import ray.tune as tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
 import raychat
-from raychat.common import RaychatError, run_cli
+from raychat.common import RaychatError, check_name, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.plan import plan_vocab_size
-from raychat.run.driver import connect_ray, fit_run, prepare_inputs, prepare_run, resolve_paths
+from raychat.run.driver import connect_ray, fit_run, prepare_inputs, prepare_run, ray_storage, resolve_paths
 from raychat.scaling import Plan, resolve_plan
 from raychat.storage import Storage, join_uri
 from tune.report import (
@@ -242,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     except RaychatError:
         raise RaychatError(f"--workers-per-trial must be N or MIN:MAX with 1 <= MIN <= MAX, got "
                            f"{args.workers_per_trial!r}") from None
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name):
-        raise RaychatError(f"--name must be letters, digits, '.', '_' or '-' (it names a directory), "
-                           f"got {args.name!r}")
+    check_name(args.name, "--name")  # it names a directory under --storage-path
 
     if args.metric == "core" and base.core_metric_every <= 0:
         raise RaychatError("--metric core ranks trials by CORE, which --core-metric-every "
@@ -273,11 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     connect_ray(trial_cfg)
     trainable = tune.with_resources(run_trial, trial_resources())
     sweep_dir = Storage(path)
-    if tune.Tuner.can_restore(path):
+    # Tune gets a URI as a filesystem and a bare path, as Ray Train does: its state shows no credentials.
+    experiment = ray_storage(path)
+    experiment_fs = experiment.get("storage_filesystem")
+    if tune.Tuner.can_restore(experiment["storage_path"], experiment_fs):
         check_same_grid(sweep_dir, trials, args.name)
         print(f"Resuming sweep {args.name}: finished trials are kept, the others continue from their "
               "checkpoints (each trial keeps the settings it was started with)", flush=True)
-        tuner = tune.Tuner.restore(path, trainable=trainable, resume_unfinished=True, resume_errored=True)
+        tuner = tune.Tuner.restore(experiment["storage_path"], trainable=trainable, resume_unfinished=True,
+                                   resume_errored=True, storage_filesystem=experiment_fs)
     else:
         concurrency = args.max_concurrent or default_concurrency(trial_cfg)
         print(f"Running up to {concurrency} trials at once (--max-concurrent to change; on an autoscaling "
@@ -293,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                                         scheduler=asha_scheduler(trials, args.metric) if args.asha else None,
                                         trial_name_creator=_trial_dirname,
                                         trial_dirname_creator=_trial_dirname),
-            run_config=tune.RunConfig(name=args.name, storage_path=resolve_storage(base.storage_path),
-                                      verbose=1),
+            run_config=tune.RunConfig(name=args.name, verbose=1,
+                                      **ray_storage(resolve_storage(base.storage_path))),
         )
     tuner.fit()
 

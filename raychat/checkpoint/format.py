@@ -16,13 +16,17 @@ run costs one listing (the manifest's sizes); the hashes are checked by the rank
 Checkpoints of raychat before the sharded format (model.pt + optim.pt) are refused in one line that
 names `python -m raychat.checkpoint.convert`, which rewrites them in place.
 
-"The latest checkpoint" of a run is the one with the highest lineage sequence (meta.json: every
-save numbers its checkpoint one above every checkpoint the run already has). Clocks are not
-trusted: a FUSE mount or Lustre client with a clock behind, or a `cp -r` of the run, reorders
-mtimes, and a save's own prune would then delete what it just wrote. After `--resume-from-step`
-rewinds a run, its new checkpoints are the latest even though the abandoned branch has higher step
-numbers. Write times (whole seconds, then the step) only break ties between checkpoints without a
-sequence, written before raychat kept one.
+"The latest checkpoint" of a run is the newest of its current branch: the checkpoint with the
+highest lineage sequence (meta.json: every save numbers its checkpoint one above every checkpoint
+the run already has), then its parent, its parent's parent... Clocks are not trusted: a FUSE mount
+or Lustre client with a clock behind, or a `cp -r` of the run, reorders mtimes, and a save's own
+prune would then delete what it just wrote. After `--resume-from-step` rewinds a run, its new
+checkpoints are the latest even though the abandoned branch has higher step numbers, and falling
+back from a damaged latest follows parents, never into the abandoned branch. Checkpoints that a
+superseded writer or an abandoned branch left (raychat.checkpoint.fence) are never listed. A record
+that cannot be read is retried (raychat.faults); one that is damaged is left alone with a line:
+never ordered as the oldest, never pruned. Write times (whole seconds, then the step) only break
+ties between checkpoints without a sequence, written before raychat kept one.
 """
 
 import hashlib
@@ -33,9 +37,12 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from raychat.checkpoint import fence
+from raychat.checkpoint.fence import superseded
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.shardfile import CheckpointDamaged
 from raychat.common import RaychatError
+from raychat.faults import retry_transient
 from raychat.storage import Location, Storage
 
 META_FILE = "meta.json"
@@ -90,7 +97,13 @@ def fsync_dir(directory: str) -> None:
 
 
 def write_file(directory: Storage, name: str, write: Callable[[Any], None]) -> dict:
-    """Write one file and return its manifest entry. Local disk: temporary name, fsync, rename."""
+    """Write one file and return its manifest entry. Local disk: temporary name, fsync, rename.
+    A transient storage fault rewrites the whole file (`write` writes from the save's host
+    snapshot, so it can run again); past the retry budget the attempt fails (raychat.faults)."""
+    return retry_transient(lambda: _write_file_once(directory, name, write), f"writing {directory}/{name}")
+
+
+def _write_file_once(directory: Storage, name: str, write: Callable[[Any], None]) -> dict:
     if directory.is_local:
         directory.make_dir()
         tmp = Path(directory.path(f"{name}.tmp"))
@@ -126,8 +139,9 @@ def convert_hint(directory: Storage) -> str:
 
 def read_manifest(directory: Storage) -> dict[str, dict]:
     """The manifest's file table, CheckpointDamaged saying what is wrong with it, or LegacyCheckpoint."""
-    try:
-        manifest = json.loads(directory.read_bytes(MANIFEST_FILE))
+    try:  # a transient read error is retried, never taken for damage (raychat.faults)
+        data = retry_transient(lambda: directory.read_bytes(MANIFEST_FILE), f"reading {directory} manifest")
+        manifest = json.loads(data)
     except FileNotFoundError:
         raise CheckpointDamaged(f"no {MANIFEST_FILE} (the save did not finish)") from None
     except (OSError, ValueError) as e:
@@ -145,7 +159,7 @@ def read_manifest(directory: Storage) -> dict[str, dict]:
 
 def _check_sizes(directory: Storage, files: dict[str, dict]) -> None:
     """One listing: every file the manifest claims is there with its size."""
-    sizes = {info.base_name: info.size for info in directory.entries()}
+    sizes = {info.base_name: info.size for info in retry_transient(directory.entries, f"listing {directory}")}
     for name, entry in files.items():
         if name not in sizes:
             raise CheckpointDamaged(f"{name} is missing")
@@ -217,38 +231,109 @@ def _written_at(directory: Storage) -> int:
     return int(max(times).timestamp()) if times else 0
 
 
-def lineage_sequence(directory: Storage) -> int:
-    """The checkpoint's sequence number (0: none recorded, or no readable meta.json yet)."""
+def _read_meta_or_none(directory: Storage, log: Callable[[str], None]) -> CheckpointMeta | None:
+    """A checkpoint's record for ordering it, or None when it has none to order by: not written yet
+    (a save in progress, or one that died before its meta) or damaged (said once, in a line). A read
+    that fails for a transient reason is retried (raychat.faults), never guessed: a record that
+    cannot be read is neither the oldest nor the newest, and nothing is pruned on it."""
+    where = directory.path(META_FILE)
     try:
-        data = directory.read_bytes(META_FILE)
-        return CheckpointMeta.from_json(data, where=directory.path(META_FILE)).sequence
-    except (OSError, RaychatError, ValueError):
-        return 0
+        data = retry_transient(lambda: directory.read_bytes(META_FILE), f"reading {where}")
+    except FileNotFoundError:
+        return None
+    try:
+        return CheckpointMeta.from_json(data, where=where)
+    except RaychatError as e:
+        log(f"leaving checkpoint {directory} alone: {e}")
+        return None
 
 
-def list_checkpoints(run_dir: Location) -> list[Storage]:
-    """Checkpoint directories of a run, oldest first: by lineage sequence, then (for checkpoints
-    without one) by when they were written, then by step."""
+def highest_sequence(run_dir: Location) -> int:
+    """The highest lineage sequence of any checkpoint of the run with a readable record (0: none)."""
     run = Storage.of(run_dir)
+    metas = (_read_meta_or_none(run.child(name), log=lambda _: None) for name in run.subdirs()
+             if _step_of(name) is not None)
+    return max((meta.sequence for meta in metas if meta is not None), default=0)
+
+
+def _scan(run: Storage, log: Callable[[str], None]) -> list[tuple[Storage, CheckpointMeta]]:
+    """Checkpoints of a run with a readable record, not left by a superseded writer or an abandoned
+    branch (raychat.checkpoint.fence), oldest first: by lineage sequence, then (for checkpoints
+    without one) by when they were written, then by step."""
     keyed = []
     for name in run.subdirs():
         step = _step_of(name)
-        if step is not None:
-            directory = run.child(name)
-            keyed.append(((lineage_sequence(directory), _written_at(directory), step), directory))
-    return [directory for _, directory in sorted(keyed, key=lambda item: item[0])]
+        if step is None:
+            continue
+        directory = run.child(name)
+        meta = _read_meta_or_none(directory, log)
+        if meta is not None:
+            keyed.append(((meta.sequence, _written_at(directory), step), directory, meta))
+    is_superseded = superseded(fence.records(run)) if keyed else (lambda epoch, sequence: False)
+    ordered = sorted(keyed, key=lambda item: item[0])
+    return [(d, meta) for _, d, meta in ordered if not is_superseded(meta.lease_epoch, meta.sequence)]
+
+
+def superseded_checkpoints(run_dir: Location) -> list[Storage]:
+    """Checkpoints a superseded writer or an abandoned branch left: never chosen, pruned."""
+    run = Storage.of(run_dir)
+    current = {d.name for d, _ in _scan(run, log=lambda _: None)}
+    is_superseded = superseded(fence.records(run))
+    left = []
+    for name in run.subdirs():
+        if _step_of(name) is None or name in current:
+            continue
+        meta = _read_meta_or_none(run.child(name), log=lambda _: None)
+        if meta is not None and is_superseded(meta.lease_epoch, meta.sequence):
+            left.append(run.child(name))
+    return left
+
+
+def list_checkpoints(run_dir: Location, log: Callable[[str], None] = _warn) -> list[Storage]:
+    """Checkpoint directories of a run that may be chosen, oldest first (see `_scan`)."""
+    return [directory for directory, _ in _scan(Storage.of(run_dir), log)]
+
+
+def branch(run_dir: Location, log: Callable[[str], None] = _warn) -> list[Storage]:
+    """The current branch, newest first: the newest checkpoint, then its parent, its parent's
+    parent... A rewound run's abandoned branch is not on it, whatever its step numbers (and once a
+    lease records the rewind, not even listed). Where a parent cannot be read, or none was recorded
+    (before raychat kept a lineage), the chain goes on with the next older checkpoint listed."""
+    run = Storage.of(run_dir)
+    listed = _scan(run, log)
+    if not listed:
+        return []
+    present = set(run.subdirs())
+    by_name = {directory.name: i for i, (directory, _) in enumerate(listed)}
+    chain: list[Storage] = []
+    position: int | None = len(listed) - 1
+    while position is not None and listed[position][0] not in chain:
+        directory, meta = listed[position]
+        chain.append(directory)
+        if meta.parent in by_name:
+            position = by_name[meta.parent]
+        elif meta.parent in present or (meta.parent is None and meta.sequence == 0):
+            # A parent whose record cannot be read (or no lineage recorded, before raychat kept
+            # one): the next older checkpoint that may be chosen is the best that is known.
+            position = position - 1 if position > 0 else None
+        else:
+            position = None  # the start of the lineage, or its older part already pruned
+    return chain
 
 
 def latest_valid_checkpoint(run_dir: Location, step: int | None = None, deep: bool = False,
                             log: Callable[[str], None] = _warn) -> Storage | None:
-    """Newest complete checkpoint of a run (`<storage_path>/<run_name>`), or None.
+    """Newest complete checkpoint of a run (`<storage_path>/<run_name>`) on its current branch, or None.
 
-    Damaged checkpoints newer than the one returned are skipped, each with a one-line warning.
-    With `step`, only checkpoints of that step are considered. deep=False trusts sizes, not hashes.
+    Damaged checkpoints newer than the one returned are skipped, each with a one-line warning; the
+    fallback walks the parent chain. With `step`, any checkpoint of that step that may be chosen
+    is considered. deep=False trusts sizes, not hashes.
     """
-    for candidate in reversed(list_checkpoints(run_dir)):
-        if step is not None and _step_of(candidate.name) != step:
-            continue
+    if step is not None:
+        considered = [c for c in reversed(list_checkpoints(run_dir, log)) if _step_of(c.name) == step]
+    else:
+        considered = branch(run_dir, log)
+    for candidate in considered:
         problem = damage(candidate, deep=deep)
         if problem is None:
             return candidate
@@ -258,18 +343,19 @@ def latest_valid_checkpoint(run_dir: Location, step: int | None = None, deep: bo
 
 def prune_checkpoints(run_dir: Location, keep: int, log: Callable[[str], None] = _warn,
                       protect: Collection[str] = ()) -> list[str]:
-    """Delete all but the `keep` newest complete checkpoints (and anything older than those), never
-    the ones named in `protect` (the saver's: what it just wrote, what the run resumed from).
-    Returns the names deleted. keep <= 0 keeps everything."""
+    """Keep the `keep` newest complete checkpoints of the current branch; delete its older ones and
+    whatever a superseded writer or an abandoned branch left, never the ones named in `protect`
+    (the saver's: what it just wrote, what the run resumed from). A checkpoint whose record cannot
+    be read, or that lies on no known branch, is left alone. Returns the names deleted, oldest
+    first. keep <= 0 keeps everything."""
     if keep <= 0:
         return []
-    checkpoints = list_checkpoints(run_dir)
-    complete = [c for c in checkpoints if damage(c, deep=False) is None]
-    if len(complete) <= keep:
-        return []
-    oldest_kept = complete[-keep]
+    chain = list(reversed(branch(run_dir, log)))  # oldest first
+    complete = [c for c in chain if damage(c, deep=False) is None]
+    doomed = chain[:chain.index(complete[-keep])] if len(complete) > keep else []
+    doomed += superseded_checkpoints(run_dir)
     deleted = []
-    for candidate in checkpoints[:checkpoints.index(oldest_kept)]:
+    for candidate in doomed:
         if candidate.name in protect:
             continue
         try:

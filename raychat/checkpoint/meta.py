@@ -31,6 +31,7 @@ class CheckpointMeta:
     session: str = ""
     sequence: int = 0
     parent: str | None = None
+    lease_epoch: int = 0  # the run lease's epoch of the driver whose workers wrote it (checkpoint.fence)
     raychat_version: str = ""
     plan: dict[str, Any] = field(default_factory=dict)
     user_config: dict[str, Any] = field(default_factory=dict)

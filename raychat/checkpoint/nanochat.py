@@ -66,6 +66,23 @@ def _model_file(directory: Path, step: int) -> Path:
     return directory / f"model_{(step if step >= 0 else steps[-1]):06d}.pt"
 
 
+def _load_tensors(path: Path, holds: type) -> object:
+    """torch.load of a file nanochat wrote, tensors only (never code), that must hold a `holds` (a
+    tensor, or a dict of them); one line naming the file otherwise."""
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad or non-tensor file
+        raise RaychatError(f"{path} cannot be read as tensors only ({type(e).__name__}: "
+                           f"{(str(e).splitlines() or [''])[0][:200]}): raychat loads no pickled code; give "
+                           "the file nanochat wrote") from None
+    values = loaded.values() if isinstance(loaded, dict) else [loaded]
+    if not isinstance(loaded, holds) or not all(isinstance(v, torch.Tensor) for v in values):
+        want = "a tensor" if holds is torch.Tensor else "a dict of parameter name -> tensor"
+        raise RaychatError(f"{path} holds a {type(loaded).__name__}, not {want}: give the file nanochat "
+                           "wrote")
+    return loaded
+
+
 def _check_tokenizer(directory: Path, tokenizer: Tokenizer) -> bool:
     """nanochat's token_bytes.pt (NANOCHAT_BASE_DIR/tokenizer) against the run's tokenizer; False
     when nanochat's file is not there to compare."""
@@ -73,7 +90,7 @@ def _check_tokenizer(directory: Path, tokenizer: Tokenizer) -> bool:
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
         return False
-    theirs = torch.load(found, map_location="cpu", weights_only=True)
+    theirs = _load_tensors(found, torch.Tensor)
     ours = tokenizer.token_bytes()
     if theirs.shape != ours.shape or not torch.equal(theirs.to(ours.dtype), ours):
         raise RaychatError(f"--tokenizer-dir {tokenizer.location} is not the tokenizer of the nanochat model "
@@ -104,11 +121,7 @@ def load_nanochat_checkpoint(directory: str | Path, step: int, expected: GPTConf
                            "give the model flags of the nanochat run (--depth, --aspect-ratio, --head-dim, "
                            "--max-seq-len, --window-pattern) and its tokenizer")
     tokenizer_checked = _check_tokenizer(directory, tokenizer)
-    try:
-        state = torch.load(model_file, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad or non-tensor file
-        raise RaychatError(f"{model_file} cannot be read as tensors only ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:200]}): raychat loads no pickled code") from None
+    state = _load_tensors(model_file, dict)
     state = {name.removeprefix("_orig_mod."): tensor for name, tensor in state.items()}  # a compiled model's
     differ = sorted(set(state) ^ nanochat_keys(config))
     if differ:

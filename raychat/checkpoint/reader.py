@@ -4,7 +4,8 @@
 tensor, read from whichever rank files hold them (the index says which), each byte range checked
 against the block hashes in its file's header. A resume at W ranks asks each rank for its share, so
 the checkpoint's bytes are read about once in total whatever W saved it. `load_checkpoint` reads
-everything into full state dicts, for one process (sampling, tests, tools).
+everything into full state dicts, for one process (sampling, tests, tools). Transient storage faults
+are retried (raychat.faults), so only real damage reads as CheckpointDamaged.
 """
 
 import json
@@ -17,6 +18,7 @@ from raychat.checkpoint.format import INDEX_FILE, META_FILE, read_manifest, read
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.shardfile import CheckpointDamaged, ShardFile, torch_dtype
 from raychat.common import RaychatError
+from raychat.faults import retry_transient
 from raychat.storage import Location, Storage
 
 
@@ -25,6 +27,12 @@ class CheckpointReader:
 
     def __init__(self, directory: Location):
         self.directory = Storage.of(directory)
+        # A transient fault (a reset, a 503) while reading the head is retried, never taken for
+        # damage: damage makes the resume fall back to an older checkpoint, redoing steps.
+        retry_transient(self._read_head, f"reading checkpoint {self.directory}")
+
+    def _read_head(self) -> None:
+        """The manifest, then the index and meta it vouches for, each verified."""
         files = read_manifest(self.directory)
         try:
             self.index: dict = json.loads(read_verified(self.directory, INDEX_FILE, files[INDEX_FILE]))
@@ -62,13 +70,26 @@ class CheckpointReader:
                 continue
             if low != covered:
                 break
-            parts.append(self._files[piece["file"]].read(piece["key"], low - piece["start"], high - low))
+            parts.append(self._read_piece(piece["file"], piece["key"], low - piece["start"], high - low))
             covered = high
         if covered != stop:
             raise CheckpointDamaged(f"{INDEX_FILE} does not cover elements {covered}..{stop} of {name}")
         if not parts:
             return torch.empty(0, dtype=torch_dtype(entry["dtype"]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _read_piece(self, file_name: str, key: str, start: int, numel: int) -> torch.Tensor:
+        """Elements of one tensor piece from one rank file, transient faults retried."""
+        file = self._files[file_name]
+
+        def read() -> torch.Tensor:
+            try:
+                return file.read(key, start, numel)
+            except Exception:
+                file.close()   # a fault mid-header leaves it half open: the next try opens it again
+                raise
+
+        return retry_transient(read, f"reading {file_name} of checkpoint {self.directory}")
 
     def read_whole(self, name: str) -> torch.Tensor:
         return self.read(name).view(self.shape(name))

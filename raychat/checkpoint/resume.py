@@ -12,7 +12,7 @@ one together. The driver's check is the manifest and the files' sizes (a listing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from raychat.checkpoint.format import damage, latest_valid_checkpoint, list_checkpoints, read_meta
+from raychat.checkpoint.format import branch, damage, latest_valid_checkpoint, list_checkpoints, read_meta
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.reader import CheckpointReader
 from raychat.checkpoint.shardfile import CheckpointDamaged
@@ -36,22 +36,20 @@ def driver_choice(run: Storage, resume_from_step: int, log: Callable[[str], None
 
 def candidates(run: Storage, session: str, first_choice: str | None) -> list[str]:
     """Checkpoint names to try, best first: this session's newest if it wrote any (a restart of
-    the worker group), else the driver's choice; then each older whole-looking one as fallback."""
-    looking_whole = [c for c in list_checkpoints(run) if damage(c, deep=False) is None]
+    the worker group), else the driver's choice; then each older whole-looking one of its branch
+    (the parent chain, never an abandoned branch or a superseded writer's checkpoints)."""
+    looking_whole = [c for c in branch(run) if damage(c, deep=False) is None]  # newest first
     names = [c.name for c in looking_whole]
-    start = None
-    if looking_whole and read_meta(looking_whole[-1]).session == session:
-        start = len(names) - 1
-    elif first_choice in names:
-        start = names.index(first_choice)
-    elif first_choice is not None:
+    if looking_whole and read_meta(looking_whole[0]).session == session:
+        return names
+    if first_choice in names:
+        return names[names.index(first_choice):]
+    if first_choice is not None:
         # Starting fresh here would train from step 0 and let its saves prune the run's real
-        # checkpoints: a second writer (or a hand) removed what the driver verified.
-        raise RaychatError(f"checkpoint {first_choice} of {run}, chosen by the driver, is gone (another "
-                           "driver on this run, or removed by hand): re-run to resume from what is there now")
-    if start is None:
-        return []
-    return names[start::-1]
+        # checkpoints: a hand (or a writer outside raychat's lease) removed what the driver verified.
+        raise RaychatError(f"checkpoint {first_choice} of {run}, chosen by the driver, is gone (removed by "
+                           "hand, or written over outside raychat): re-run to resume from what is there now")
+    return []
 
 
 class Restore:

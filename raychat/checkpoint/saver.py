@@ -21,15 +21,12 @@ from collections.abc import Callable
 
 import torch
 
-from raychat.checkpoint.format import (
-    checkpoint_dir_name,
-    lineage_sequence,
-    list_checkpoints,
-    prune_checkpoints,
-)
+from raychat.checkpoint.fence import Fence
+from raychat.checkpoint.format import checkpoint_dir_name, highest_sequence, prune_checkpoints
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.sharded import Piece, finish_checkpoint, prepare_overwrite, write_rank
 from raychat.common import RaychatError
+from raychat.faults import StorageUnavailable, is_transient, short_reason
 from raychat.storage import Storage
 
 
@@ -100,13 +97,22 @@ class AsyncCheckpointWriter:
     def wait(self) -> Storage | None:
         """Block until the save in flight (if any) is written; return its directory.
 
-        Raises RaychatError if the background write failed (disk full, permissions, ...).
+        Raises RaychatError if the background write failed for a reason the user must fix (disk
+        full, permissions, a missing bucket), StorageUnavailable (a plain exception: Ray restarts
+        the attempt) for a storage fault that outlasted its retries, and a bug as it is.
         """
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, RaychatError):  # already one line (a lease lost to another driver)
+                raise error
+            if isinstance(error, StorageUnavailable) or is_transient(error):
+                reason = short_reason(error)
+                raise StorageUnavailable(f"writing checkpoint {self._directory}: {reason}") from error
+            if not isinstance(error, OSError):
+                raise error
             raise RaychatError(f"writing checkpoint {self._directory} failed: {error}; "
                                "check free space and permissions of the checkpoint storage") from error
         return self._directory
@@ -136,8 +142,12 @@ class CheckpointSaver:
     """
 
     def __init__(self, run: Storage, keep: int, rank: int, world_size: int, log: Callable[[str], None],
-                 parent: CheckpointMeta | None = None, parent_name: str | None = None):
+                 parent: CheckpointMeta | None = None, parent_name: str | None = None,
+                 fence: Fence | None = None):
         self.run, self.keep, self.rank, self.world_size, self.log = run, keep, rank, world_size, log
+        # The run lease's fencing token: rank 0 checks it before a checkpoint's first shared file
+        # and before every prune, and stamps it into each meta (raychat.checkpoint.fence).
+        self.fence = fence or Fence(run, 0)
         self.writer = AsyncCheckpointWriter()
         self._pending_step: int | None = None
         self.latest_step: int | None = None  # the newest checkpoint known to be whole (this rank's part)
@@ -147,15 +157,22 @@ class CheckpointSaver:
         self.sequence = max(parent.sequence if parent is not None else 0, self._run_sequence())
 
     def _run_sequence(self) -> int:
-        """Rank 0: the highest sequence among the run's checkpoints, so this saver numbers its own
-        above them all and "latest" follows the lineage, not clocks. A run directory that cannot be
-        listed counts as empty here; its first write fails with a clear error."""
+        """Rank 0: the highest sequence among the run's checkpoints (a superseded writer's too), so
+        this saver numbers its own above them all and "latest" follows the lineage, not clocks. A
+        run directory that is not a directory counts as empty here; its first write fails clearly
+        (storage faults are retried and, past their budget, fail the attempt)."""
         if self.rank != 0:
             return 0
         try:
-            return max((lineage_sequence(c) for c in list_checkpoints(self.run)), default=0)
-        except OSError:
+            return highest_sequence(self.run)
+        except (NotADirectoryError, PermissionError):
             return 0
+
+    def already_saved(self, step: int) -> bool:
+        """This step is checkpointed already: by this saver, or it is the checkpoint the run resumed
+        from (an attempt restarted after its final save). A checkpoint directory with a manifest is
+        never written again: a second fault while it was rewritten would leave none."""
+        return step == self.submitted_step or checkpoint_dir_name(step) == self.resumed_from
 
     def prepare(self, step: int) -> None:
         """Rank 0, before the save's collective: a directory saved before at this step (a rerun)
@@ -173,13 +190,16 @@ class CheckpointSaver:
         rank, world = self.rank, self.world_size
         if rank == 0:
             self.sequence += 1
-            meta = dataclasses.replace(meta, sequence=self.sequence, parent=self.parent_name)
+            meta = dataclasses.replace(meta, sequence=self.sequence, parent=self.parent_name,
+                                       lease_epoch=self.fence.epoch)
             self.parent_name = directory.name
             meta_bytes = meta.to_json()  # now: a later change to the caller's objects is not saved
 
             def write(snapshot: list[Piece]) -> None:
                 write_rank(directory, rank, world, token, snapshot, extra)
+                self.fence.check()  # a superseded writer never closes a checkpoint
                 finish_checkpoint(directory, world, token, meta_bytes)
+                self.fence.check()  # nor deletes one
                 protect = {directory.name, self.resumed_from}
                 prune_checkpoints(self.run, self.keep, log=self.log, protect=protect)
         else:

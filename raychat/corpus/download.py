@@ -150,7 +150,7 @@ def download_shards(data_dir: str | Path, num_shards: int, revision: str | None 
         raise RaychatError(f"--workers must be at least 1, got {workers}")
     endpoint = endpoint or hub_endpoint()
     in_bucket = is_uri(str(data_dir))
-    location = normalize_location(str(data_dir)) if in_bucket else str(Path(data_dir).expanduser().resolve())
+    location = normalize_location(data_dir)
     storage = corpus_storage(location)
     storage.make_dir()
     commit = _pinned_revision(location, revision, endpoint)

@@ -6,14 +6,14 @@ shard's footer and then only the column chunk of its row group, never the whole 
 also the shard's fingerprint (a hash of its bytes, with the file size): the driver records the
 fingerprints of all shards once (the corpus identity), every read checks its shard against them, so
 a shard replaced under a running job or a node-local copy that differs is named in one line instead
-of silently feeding other documents. A read that fails is retried with backoff (READ_ATTEMPTS in
-all), then fails in one line naming the object.
+of silently feeding other documents. A transient fault (throttling, a reset, a 5xx) is retried within
+the budget of raychat.faults, then fails the attempt for Ray to restart; a shard that is gone,
+refused or damaged fails in one line naming the object.
 """
 
 import functools
 import hashlib
 import struct
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,11 +22,10 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raychat.common import RaychatError
+from raychat.faults import retry_transient
 from raychat.storage import Storage, join_uri
 
 TAIL_BYTES = 64 * 1024    # one range request fetches the footer of a shard of ClimbMix's layout
-READ_ATTEMPTS = 4         # a remote read is tried this often, waiting 0.5, 1, 2 s in between
-RETRY_BASE_S = 0.5
 CHECK_HINT = "check it with `python -m raychat.corpus check --deep DATA_DIR`"
 
 
@@ -65,9 +64,13 @@ def _parse_tail(tail: bytes, size: int, uri: str) -> tuple[int, bytes] | None:
 
 
 def read_footer(fs: pafs.FileSystem, path: str, uri: str) -> Footer:
-    """The footer of one shard in one range request (two for a footer over TAIL_BYTES)."""
-    with fs.open_input_file(path) as f:
-        return footer_of(f, uri)
+    """The footer of one shard in one range request (two for a footer over TAIL_BYTES), transient
+    faults retried (raychat.faults); a shard that is gone or refused raises its OSError."""
+    def read() -> Footer:
+        with fs.open_input_file(path) as f:
+            return footer_of(f, uri)
+
+    return retry_transient(read, f"reading the footer of {uri}")
 
 
 def footer_of(f: pa.NativeFile, uri: str) -> Footer:
@@ -98,33 +101,34 @@ def _reason(error: BaseException) -> str:
 def read_row_group(location: str, path: str, row_group: int, rows: Sequence[int] | None = None,
                    fingerprint: str = "") -> pa.ChunkedArray:
     """The `text` column of one row group (or `rows` of it), by range reads: the footer, then the
-    row group's column chunk. Retried with backoff; then one RaychatError naming the object. A shard
-    whose footer no longer matches `fingerprint` is refused at once (no retry can fix it)."""
+    row group's column chunk. Transient faults are retried (raychat.faults: StorageUnavailable past
+    the budget); a shard that is gone, refused or damaged, or whose footer no longer matches
+    `fingerprint`, is one RaychatError naming the object (no retry can fix it)."""
     uri = object_uri(location, path)
     fs = corpus_storage(location).fs
-    for attempt in range(READ_ATTEMPTS):
-        try:
-            with fs.open_input_file(path) as f:
-                footer = footer_of(f, uri)
-                if fingerprint and footer.fingerprint != fingerprint:
-                    raise RaychatError(f"{uri} changed since the corpus was indexed (footer fingerprint "
-                                       f"{footer.fingerprint}, expected {fingerprint}): a shard must not "
-                                       "change under a run; restore it, or start a new run (--run-name) on "
-                                       "the new corpus")
-                parquet = pq.ParquetFile(f, metadata=footer.metadata)
-                table = parquet.read_row_group(row_group, columns=["text"])
-            column = table.column(0)
-            if rows is not None:
-                column = column.take(pa.array(rows, type=pa.int64()))
-            return column
-        except RaychatError:
-            raise
-        except (OSError, pa.ArrowException) as e:
-            if attempt + 1 == READ_ATTEMPTS:
-                raise RaychatError(f"{uri}: row group {row_group} cannot be read after {READ_ATTEMPTS} tries "
-                                   f"({_reason(e)}); {CHECK_HINT.replace('DATA_DIR', location)}") from e
-            time.sleep(RETRY_BASE_S * 2 ** attempt)
-    raise AssertionError("unreachable")
+
+    def read() -> pa.Table:
+        with fs.open_input_file(path) as f:
+            footer = footer_of(f, uri)
+            if fingerprint and footer.fingerprint != fingerprint:
+                raise RaychatError(f"{uri} changed since the corpus was indexed (footer fingerprint "
+                                   f"{footer.fingerprint}, expected {fingerprint}): a shard must not "
+                                   "change under a run; restore it, or start a new run (--run-name) on the "
+                                   "new corpus")
+            return pq.ParquetFile(f, metadata=footer.metadata).read_row_group(row_group, columns=["text"])
+
+    try:
+        table = retry_transient(read, f"reading {uri} row group {row_group}")
+    except FileNotFoundError:
+        raise RaychatError(f"{uri} is gone: a shard must not be removed under a run; restore it, or start a "
+                           "new run (--run-name) on the new corpus") from None
+    except (OSError, pa.ArrowException) as e:   # not transient: refused, or bytes that do not parse
+        raise RaychatError(f"{uri}: row group {row_group} cannot be read ({_reason(e)}); "
+                           f"{CHECK_HINT.replace('DATA_DIR', location)}") from e
+    column = table.column(0)
+    if rows is not None:
+        column = column.take(pa.array(rows, type=pa.int64()))
+    return column
 
 
 def list_shard_files(storage: Storage, pattern) -> list[tuple[int, pafs.FileInfo]]:

@@ -35,6 +35,7 @@ from raychat.corpus.files import (
     read_footer,
     read_row_group,
 )
+from raychat.faults import retry_transient
 from raychat.storage import Storage, is_uri, join_uri, normalize_location
 
 ROW_GROUP_SIZE = 1024
@@ -114,7 +115,8 @@ FOOTER_THREADS = 32   # footers read at once: a bucket answers each in tens of m
 
 
 def read_footers(location: str, paths: Sequence[str]) -> list[Footer]:
-    """The footers of many shards, read concurrently (one range request each)."""
+    """The footers of many shards, read concurrently (one range request each, transient faults
+    retried by read_footer; StorageUnavailable past the budget, a non-transient OSError as is)."""
     fs = corpus_storage(location).fs
     with ThreadPoolExecutor(max_workers=min(FOOTER_THREADS, max(1, len(paths)))) as pool:
         return list(pool.map(lambda path: read_footer(fs, path, object_uri(location, path)), paths))
@@ -142,12 +144,13 @@ class CorpusIndex:
 
     @classmethod
     def load(cls, data_dir: str | Path) -> "CorpusIndex":
-        location = normalize_location(str(data_dir))
+        location = normalize_location(data_dir)
         storage = corpus_storage(location)
         try:
-            shards = list_shard_files(storage, SHARD_NAME)
+            shards = retry_transient(lambda: list_shard_files(storage, SHARD_NAME),
+                                     f"listing the corpus {location}")
         except (OSError, pa.ArrowException) as e:
-            reason = " ".join(str(e).split())[:300]
+            reason = location.scrub(" ".join(str(e).split())[:300])
             raise RaychatError(f"corpus {location} cannot be listed ({reason}): check the path or URI, its "
                                "endpoint and credentials") from None
         if not shards:
@@ -156,7 +159,12 @@ class CorpusIndex:
             raise RaychatError(f"corpus directory {location} has only one shard ({shards[0][1].base_name}), "
                                "which is the validation split, so there is nothing to train on: add "
                                "training shards (`ingest` and `sample` write at least two)")
-        footers = read_footers(location, [info.path for _, info in shards])
+        try:
+            footers = read_footers(location, [info.path for _, info in shards])
+        except (OSError, pa.ArrowException) as e:   # not transient (read_footer retries those): refused
+            reason = location.scrub(" ".join(str(e).split())[:300])
+            raise RaychatError(f"a shard of corpus {location} cannot be read ({reason}): check the URI, its "
+                               "credentials, and that no shard is being replaced") from None
         train: list[Unit] = []
         for (shard, info), footer in zip(shards[:-1], footers, strict=False):
             train += _shard_units(footer, info.path, object_uri(location, info.path), shard, len(train))
@@ -286,14 +294,22 @@ CORPUS_META_FILE = "corpus.json"
 
 def read_corpus_meta(data_dir: str | Path) -> dict:
     """The corpus's metadata (`source`, and `repo`/`revision` for a Hub download); {} when it has none."""
-    storage = corpus_storage(normalize_location(str(data_dir)))
+    storage = corpus_storage(normalize_location(data_dir))
     where = join_uri(storage.location, CORPUS_META_FILE)
-    try:
+
+    def read() -> bytes | None:
         if storage.info(CORPUS_META_FILE).type != pafs.FileType.File:
+            return None
+        return storage.read_bytes(CORPUS_META_FILE)
+
+    try:
+        data = retry_transient(read, f"reading {where}")
+        if data is None:
             return {}
-        meta = json.loads(storage.read_text(CORPUS_META_FILE))
+        meta = json.loads(data)
     except (OSError, ValueError, pa.ArrowException) as e:
-        raise RaychatError(f"{where} is not readable JSON ({e}): delete it, or re-create the corpus") from e
+        raise RaychatError(f"{where} is not readable JSON ({storage.location.scrub(str(e))}): delete it, or "
+                           "re-create the corpus") from e
     if not isinstance(meta, dict):
         raise RaychatError(f"{where} must hold a JSON object: delete it, or re-create the corpus")
     return meta
@@ -302,7 +318,7 @@ def read_corpus_meta(data_dir: str | Path) -> dict:
 def write_corpus_meta(data_dir: str | Path, meta: dict) -> None:
     """Replace the corpus's metadata atomically (a reader sees the old file or the new one: a rename on
     disk; an object store publishes an object whole)."""
-    storage = corpus_storage(normalize_location(str(data_dir)))
+    storage = corpus_storage(normalize_location(data_dir))
     data = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
     if not storage.is_local:
         storage.write_bytes(CORPUS_META_FILE, data)

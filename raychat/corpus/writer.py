@@ -99,7 +99,7 @@ class CorpusWriter:
                  overwrite: bool = False, workers: int | None = None, source: str = "custom"):
         if docs_per_shard < 1:
             raise RaychatError(f"--docs-per-shard must be at least 1, got {docs_per_shard}")
-        self.out = Storage(str(out_dir))   # a local directory or a bucket URI
+        self.out = Storage(out_dir)   # a local directory or a bucket URI
         self.out_dir = self.out.location
         if self.out.info().type == pafs.FileType.File:
             raise RaychatError(f"output {self.out_dir} exists and is not a directory: choose another --out")

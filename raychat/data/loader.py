@@ -36,7 +36,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +53,7 @@ from raychat.data.cursor import (
     rank_cursor,
 )
 from raychat.data.packer import BestFitPacker
+from raychat.faults import StorageUnavailable, is_transient, short_reason
 from raychat.tokenizer.core import Tokenizer
 
 if TYPE_CHECKING:
@@ -77,7 +78,8 @@ def _tokenize_reads(reads: Iterable[tuple[int, Unit, list[int] | None]], tokeniz
     tokenizer = Tokenizer.load(tokenizer_dir)   # cached per process by raychat.tokenizer.core
     keys, lengths, tokens = [], [0], []
     for k, unit, rows in reads:
-        texts = read_unit_texts(unit, rows, location)   # retried; one RaychatError naming the object
+        # Transient faults retried, then StorageUnavailable; a user-fixable one is a RaychatError.
+        texts = read_unit_texts(unit, rows, location)
         for doc in tokenizer.encode_batch(texts, prepend_bos=True, threads=1):
             keys.append(k)
             lengths.append(len(doc))
@@ -224,19 +226,31 @@ class SourceReader:
                 print(f"raychat loader: waited {waited}s for Ray Data to read and tokenize "
                       f"(failing the attempt at {DATA_TIMEOUT_S:.0f}s)", file=sys.stderr, flush=True)
         if isinstance(item, BaseException):
-            if isinstance(item, RaychatError):   # from this process's warm start: one line already
-                raise item
-            # Ray Data re-raises a task's exception as RayTaskError(UserCodeException): the original
-            # object does not survive, only the remote traceback's text, whose last line ours is.
-            ours = re.findall(r"RaychatError: ([^\n]+)", str(item))
-            if ours:
-                raise RaychatError(ours[-1].strip()) from item
-            raise RaychatError(f"reading the corpus failed: {' '.join(str(item).split())[:500]}") from item
+            _raise_read_failure(item)
         return item
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _raise_read_failure(error: BaseException) -> NoReturn:
+    """Re-raise a failed read as what it is (raychat.faults): a user-fixable one as its one line, a
+    storage fault that outlasted its retries or a task lost with its worker or node as
+    StorageUnavailable (a plain exception: Ray restarts the attempt), anything else (a bug) as is."""
+    if isinstance(error, (RaychatError, StorageUnavailable)):   # from this process's warm start
+        raise error
+    # Ray Data re-raises a task's exception as RayTaskError(UserCodeException): the original
+    # object does not survive, only the remote traceback's text, whose last line ours is.
+    text = str(error)
+    ours = re.findall(r"RaychatError: ([^\n]+)", text)
+    if ours:
+        raise RaychatError(ours[-1].strip()) from error
+    unavailable = re.findall(r"StorageUnavailable: ([^\n]+)", text)
+    if unavailable or is_transient(error):
+        reason = unavailable[-1].strip() if unavailable else short_reason(error)
+        raise StorageUnavailable(f"reading the corpus: {reason}") from error
+    raise error
 
 
 def _split_by_read(table: pa.Table) -> Iterator[tuple[int, list[np.ndarray]]]:

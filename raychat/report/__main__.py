@@ -2,9 +2,9 @@
 
 import argparse
 
-from raychat.common import default_storage_path, run_cli
+from raychat.common import run_cli
 from raychat.report.document import REPORT_DIR, write_run_report
-from raychat.storage import Storage
+from raychat.storage import run_directory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="", help="where to write report.md and the PNGs, a directory or a "
                         f"URI (default: <storage>/<run>/{REPORT_DIR})")
     args = parser.parse_args(argv)
-    run = Storage(args.storage_path or str(default_storage_path())).child(args.run_name)
+    run = run_directory(args.storage_path, args.run_name)
     report = write_run_report(run, args.out or run.child(REPORT_DIR))
     print(report.summary())
     return 0

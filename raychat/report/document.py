@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 
 from raychat.common import RaychatError
 from raychat.report.findings import findings
-from raychat.report.plots import loss_figure, lr_figure, save_figure, throughput_figure
+from raychat.report.plots import loss_figure, lr_figure, save_figure, throughput_figure, time_figure
 from raychat.report.summary import (
     Facts,
     eval_table,
@@ -44,7 +44,8 @@ class RunReport:
     def sections(self) -> list[tuple[str, list[str]]]:
         f, t = self.facts, self.timeline
         return [("Model", model_lines(f)), ("Batch and horizon", horizon_lines(f, t)),
-                ("Throughput and memory", throughput_lines(f, t)), ("Validation bpb", eval_table(f, t)),
+                ("Throughput and memory", throughput_lines(f, t)), ("Time and goodput", t.ledger.lines()),
+                ("Validation bpb", eval_table(f, t)),
                 ("Findings", [f"- {line}" for line in self.findings]), ("Samples", sample_lines(t))]
 
     def summary(self) -> str:
@@ -58,16 +59,24 @@ class RunReport:
 
 def build_report(run: Storage) -> RunReport:
     """The report of the run at `run`, or a RaychatError saying why there is none (yet)."""
-    timeline = read_timeline(run)
-    if timeline is None or not timeline.starts:
-        where = "no run there" if not run.exists() else f"no {METRICS_FILE} in it yet"
-        raise RaychatError(f"cannot report on {run.location}: {where}; check --run-name and --storage-path "
-                           "(a run writes its metrics log once its first worker group has started)")
-    f = facts(timeline)
-    figures = {"loss.png": loss_figure(timeline, f.eval_flops, f.markers),
-               "throughput.png": throughput_figure(timeline, f.markers, mfu_note(f.start)),
-               "lrm.png": lr_figure(timeline, f.markers)}
-    return RunReport(run.name, f, timeline, findings(f, timeline), figures)
+    try:
+        timeline = read_timeline(run)
+        if timeline is None or not timeline.starts:
+            where = "no run there" if not run.exists() else f"no {METRICS_FILE} in it yet"
+            raise RaychatError(f"cannot report on {run.location}: {where}; check --run-name and "
+                               "--storage-path (a run writes its metrics log once its first worker group "
+                               "has started)")
+        f = facts(timeline)
+        figures = {"loss.png": loss_figure(timeline, f.eval_flops, f.markers),
+                   "throughput.png": throughput_figure(timeline, f.markers, mfu_note(f.start)),
+                   "lrm.png": lr_figure(timeline, f.markers), "time.png": time_figure(timeline.ledger)}
+        report = RunReport(run.name, f, timeline, findings(f, timeline), figures)
+        report.markdown()  # every section read from the log here, where a malformed record is named
+    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
+        # A record missing a field or holding the wrong type: a log edited by hand or damaged.
+        raise RaychatError(f"{join_uri(run.location, METRICS_FILE)} is not a metrics log raychat.train wrote "
+                           f"({type(e).__name__}: {e}): restore it, or delete its malformed lines") from None
+    return report
 
 
 def write_run_report(run: Storage, out: Location, log: Callable[[str], None] = print) -> RunReport:

@@ -3,7 +3,8 @@
 Figures are made without pyplot (no global figure registry to close, no display backend to pick)
 and returned before they are saved, so tests read back what a plot shows: its lines, their points
 and labels. Restarts and resizes are vertical lines labelled "restart", "resize" or "resume" on
-every step axis, so a jump in a curve can be matched to the event that caused it.
+every step axis, so a jump in a curve can be matched to the event that caused it. The time figure
+stacks the run's wall time by cause, per attempt.
 """
 
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
+from raychat.run.ledger import CAUSES, Ledger
 from raychat.run.metrics_log import Timeline
 
 DPI = 120
@@ -110,5 +112,31 @@ def lr_figure(t: Timeline, markers: list[Marker]) -> Figure:
     ax.plot([r["step"] for r in t.steps], [r["lrm"] for r in t.steps], "-", color="darkorange", label="lrm")
     _mark(ax, markers)
     _finish(ax, "step", "learning-rate multiplier", "learning-rate schedule")
+    fig.tight_layout()
+    return fig
+
+
+CAUSE_COLOURS = {"startup": "grey", "training": "seagreen", "data_wait": "gold", "redone": "red",
+                 "checkpoint": "royalblue", "eval": "mediumpurple", "detect": "darkorange",
+                 "reschedule": "sandybrown", "restore": "peru", "first_step": "khaki", "other": "lightgrey"}
+
+
+def time_figure(ledger: Ledger) -> Figure:
+    """The run's wall time by cause (raychat.run.ledger): one stacked bar per attempt and one for the
+    run, in minutes, goodput in each label; the green of each bar is what advanced training."""
+    fig = Figure(figsize=(12, max(4.0, 1.5 + 0.5 * (len(ledger.attempts) + 1))))
+    ax = fig.subplots()
+    bars = [(f"run: goodput {100 * ledger.goodput:.1f}%", ledger.seconds)]
+    bars += [(f"{i + 1}. {a.kind} at step {a.step}: {100 * a.goodput:.1f}%", a.seconds)
+             for i, a in enumerate(ledger.attempts)]
+    labels = [label for label, _ in bars]
+    for cause in CAUSES:
+        left = [sum(seconds[c] for c in CAUSES[:CAUSES.index(cause)]) / 60 for _, seconds in bars]
+        widths = [seconds[cause] / 60 for _, seconds in bars]
+        if any(widths):
+            ax.barh(labels, widths, left=left, color=CAUSE_COLOURS[cause], label=cause)
+    ax.invert_yaxis()  # the run on top, then its attempts in order
+    _finish(ax, "wall time (minutes)", "", "where the run's time went")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not over them
     fig.tight_layout()
     return fig

@@ -7,7 +7,9 @@ the prefix of every process, warnings included), so the worker marks its lines (
 driver, which already receives every forwarded batch through Ray's log dispatcher, prints marked
 lines bare and hands the rest to Ray's own printer: other processes' warnings and errors keep their
 prefix. Colour codes only on a terminal: RAY_COLOR_PREFIX=0 (read by Ray at print time) for the
-prefixes, and a filter on Ray's log handler for the colours in its own log lines ("View the dashboard").
+prefixes, and a filter on Ray's log handler for the colours in its own log lines (its warnings).
+One ERROR line Ray's own code causes at every worker-group start is dropped here unless --verbose
+(raychat.run.ray_internals.PREEMPTION_WATCHER_ARGS says which and why).
 """
 
 import functools
@@ -18,6 +20,8 @@ import re
 import sys
 from collections.abc import Callable
 
+from raychat.run.quiet import verbose
+from raychat.run.ray_internals import PREEMPTION_WATCHER_ARGS
 from raychat.run.ray_internals import STDSTREAM_DISPATCHER as dispatcher
 
 # Ray's own magic tokens look the same (":actor_name:", ":info_message:"); a worker's raw log file
@@ -49,8 +53,13 @@ def print_batch(ray_print: Callable[[dict], None], data: dict) -> None:
             sink = sys.stderr if data.get("is_err") else sys.stdout
             sink.write("".join(line[len(MARK):] + "\n" for line in lines))
             sink.flush()
-        else:
+        elif lines := [line for line in lines if not _rays_own_error(line)]:
             ray_print({**data, "lines": lines})
+
+
+def _rays_own_error(line: str) -> bool:
+    """A line Ray's own code causes and the user can do nothing about (kept with --verbose)."""
+    return PREEMPTION_WATCHER_ARGS.search(line) is not None and not verbose()
 
 
 def plain_when_redirected() -> None:

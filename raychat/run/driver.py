@@ -15,18 +15,19 @@ the checkpoint to resume from: nothing they would have to resolve again differen
 
 import dataclasses
 import os
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow.fs as pafs
 import ray
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
+from raychat.checkpoint.format import highest_sequence, latest_valid_checkpoint, read_meta
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.nanochat import NanochatCheckpoint, load_nanochat_checkpoint
 from raychat.checkpoint.resume import driver_choice
@@ -43,6 +44,7 @@ from raychat.run.console import install_driver_printer, plain_when_redirected
 from raychat.run.core_metric import check_eval_bundle
 from raychat.run.elastic import (
     FreshClusterView,
+    NoteRestart,
     PlannedResizeSave,
     RecordReservation,
     final_metrics,
@@ -51,7 +53,8 @@ from raychat.run.elastic import (
 )
 from raychat.run.lease import RunLease
 from raychat.run.loop import train_loop_per_worker
-from raychat.run.quiet import VERBOSE_ENV, quiet_ray
+from raychat.run.quiet import VERBOSE_ENV, quiet_ray, verbose
+from raychat.run.ray_internals import record_command_line_redacted
 from raychat.run.runtime_env import worker_runtime_env
 from raychat.scaling import Plan, resolve_plan
 from raychat.storage import Storage, is_uri, normalize_location, redact
@@ -83,6 +86,9 @@ class PreparedRun:
     init_weights: NanochatCheckpoint | None = None  # --init-from-nanochat, for a run with nothing to resume
     compile_checked: bool = False  # torch.compile already probed on the workers' device type
     session: str = field(default_factory=lambda: uuid.uuid4().hex)  # this driver's run, new each time
+    lease_epoch: int = 0  # the run lease's epoch this driver holds (set by `hold_run`): the workers' fence
+    fitting: bool = False  # trainer.fit() is running (the lease may interrupt it)
+    launched: float = field(default_factory=time.time)  # when prepare_run began: the run's start-up from here
 
     @property
     def finished(self) -> bool:
@@ -119,7 +125,7 @@ def prepare_inputs(cfg: TrainConfig, log: Log = print) -> tuple[Tokenizer, Corpu
     tok_dir = Path(cfg.tokenizer_dir)
     if tok_dir.exists() and any(tok_dir.iterdir()):
         return Tokenizer.load(tok_dir), index
-    log(f"No tokenizer in {tok_dir}: training one (vocab {cfg.vocab_size:,}) on {redact(cfg.data_dir)}")
+    log(f"No tokenizer in {tok_dir}: training one (vocab {cfg.vocab_size:,}) on {cfg.data_dir}")
     t0 = time.time()
     tokenizer = train_tokenizer(cfg.data_dir, tok_dir, vocab_size=cfg.vocab_size, log=log)
     log(f"Tokenizer trained in {time.time() - t0:.1f}s")
@@ -169,7 +175,7 @@ def check_resume_fits(cfg: TrainConfig, plan: Plan, index: CorpusIndex, meta: Ch
                            "--max-seq-len, --window-pattern, tokenizer) or start a new --run-name")
     if meta.cursor is not None:
         check_cursor_fits(meta.cursor, len(index.train), cfg.shuffle_seed if cfg.shuffle_seed >= 0 else None,
-                          redact(cfg.data_dir))
+                          cfg.data_dir)
     check_checkpoint_corpus(meta.corpus, index, str(checkpoint))
 
 
@@ -193,6 +199,7 @@ def choose_initial_weights(cfg: TrainConfig, plan: Plan, tokenizer: Tokenizer, r
 
 def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:
     """Every check the driver can make, cheapest first, before Ray is even started."""
+    launched = time.time()
     check_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, cfg.gpus_per_worker)
     compile_checked = check_compile(cfg.compile, cfg.gpus_per_worker)
     cfg = resolve_paths(cfg)
@@ -203,7 +210,8 @@ def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:
     resume_from, resume_meta = choose_checkpoint(cfg, tokenizer, index, plan, log) or (None, None)
     init_weights = choose_initial_weights(cfg, plan, tokenizer, resume_from, log)
     return PreparedRun(cfg=cfg, plan=plan, tokenizer=tokenizer, index=index, resume_from=resume_from,
-                       resume_meta=resume_meta, init_weights=init_weights, compile_checked=compile_checked)
+                       resume_meta=resume_meta, init_weights=init_weights, compile_checked=compile_checked,
+                       launched=launched)
 
 
 def connect_ray(cfg: TrainConfig) -> None:
@@ -222,17 +230,33 @@ def connect_ray(cfg: TrainConfig) -> None:
         install_driver_printer()
         return
     # Workers are started by the cluster's raylets, not by this process: pass our settings along
-    # (never credentials: Ray shows the runtime env in its job list).
+    # (never credentials: Ray shows the runtime env in its job list, and this command line).
     runtime_env = worker_runtime_env(os.environ)
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env=runtime_env, log_to_driver=True)
+    record_command_line_redacted(redact)
+    joined = bool(os.environ.get("RAY_ADDRESS"))
+    if joined:
+        context = ray.init(runtime_env=runtime_env, log_to_driver=True)
     else:
         # Logical CPUs: one per worker plus room for Ray Data's read/tokenize tasks; threads are
         # sized by the workers themselves.
         cpus = max(os.cpu_count() or 1, max_workers) + 2
-        ray.init(num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
-                 runtime_env=runtime_env)
+        context = ray.init(num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                           log_to_driver=True, runtime_env=runtime_env)
     install_driver_printer()
+    print(ray_line(context.address_info.get("gcs_address", ""), context.dashboard_url, joined), flush=True)
+
+
+def ray_line(address: str, dashboard: str | None, joined: bool) -> str:
+    """raychat's one line about Ray, in place of Ray's own (raychat.run.quiet): the cluster, its
+    dashboard and, where token authentication is on (a local Ray's default), how to get the token the
+    dashboard asks for."""
+    where = f"joined the cluster at {address}" if joined else "started a local instance"
+    line = f"Ray: {where}"
+    if dashboard:
+        line += f"; dashboard {dashboard if '://' in dashboard else 'http://' + dashboard}"
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":  # set by ray.init for a local Ray
+            line += " (it asks for the cluster's token: `ray get-auth-token` prints it)"
+    return line
 
 
 def scaling_config(cfg: TrainConfig) -> ScalingConfig:
@@ -255,11 +279,19 @@ def scaling_config(cfg: TrainConfig) -> ScalingConfig:
 
 def ray_storage(location: str) -> dict:
     """Ray Train's storage settings for `location`. Ray shows its run settings in the dashboard's
-    state API, so a URI with credentials reaches it as a filesystem object and a bare path."""
-    if redact(location) == location:
+    state API, so a URI (which may carry credentials) reaches it as a filesystem object and a bare path."""
+    if not is_uri(location):
         return {"storage_path": location}
-    filesystem, path = pafs.FileSystem.from_uri(location)
-    return {"storage_path": path, "storage_filesystem": filesystem}
+    storage = Storage(location)
+    return {"storage_path": storage.root, "storage_filesystem": storage.fs}
+
+
+def train_logging() -> LoggingConfig:
+    """Ray Train's own lines on the console at WARNING and above unless --verbose: its controller and
+    workers narrate every attempt at INFO (resource requests, state transitions, the worker group and
+    its list, the process group, the failure policy's retry), which raychat says in one line per
+    attempt. Ray Train's system log files in the session directory keep every level."""
+    return LoggingConfig(log_level="INFO" if verbose() else "WARNING")
 
 
 def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
@@ -275,18 +307,22 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
     callbacks = list(callbacks or [])
     if len(set(cfg.worker_range())) > 1:  # elastic
         callbacks += [PlannedResizeSave(run.session), FreshClusterView()]
-    callbacks.append(RecordReservation(run.run_dir.location))
+    callbacks += [RecordReservation(run.run_dir.location), NoteRestart(run.session)]
     run_kwargs = dict(name=cfg.name, failure_config=FailureConfig(max_failures=cfg.max_failures),
-                      callbacks=callbacks, **ray_storage(cfg.storage_path))
+                      callbacks=callbacks, logging_config=train_logging(), **ray_storage(cfg.storage_path))
     run_kwargs.update(run_config_overrides or {})
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "train_config": cfg.to_dict(),
             "plan": run.plan.to_json(),
-            "corpus_index": run.index,
+            # Where the index is, not the index (megabytes for a real corpus): Ray Train keeps this
+            # config in its run state. The workers get it from the object store and check its identity.
+            "corpus_index": ray.put(run.index),
             "tokenizer_fingerprint": run.tokenizer.fingerprint,  # every rank must load this one
             "session": run.session,
+            "lease_epoch": run.lease_epoch,  # checked before every save and prune (raychat.checkpoint.fence)
+            "launched": run.launched,  # the time ledger's start (raychat.run.ledger)
             "resume_from": run.resume_from.name if run.resume_from is not None else None,
             # Through the object store: the nanochat file need not be on the workers' nodes.
             "init_weights": ray.put(run.init_weights.state) if run.init_weights is not None else None,
@@ -334,24 +370,71 @@ def finished_metrics(run: PreparedRun, log: Log = print) -> dict:
             "core_metric": loop.get("core_metric")}
 
 
+def hold_run(run: PreparedRun, log: Log = print) -> RunLease:
+    """Take the run's lease (the next epoch, created atomically: raychat.run.lease), then choose
+    again under it what to resume from: the choice made before the run was held may be stale (a
+    driver it took over from went on saving while it waited). The choice is recorded in the lease,
+    so checkpoints an older epoch writes after this point (a superseded writer's late save, an
+    abandoned branch) are never chosen or kept."""
+    lease = RunLease(run.run_dir, on_lost=_interrupt_fit(run))
+    lease.acquire(floor=lambda: highest_sequence(run.run_dir), log=log)
+    try:
+        chosen = run.resume_from.name if run.resume_from is not None else None
+        now = choose_checkpoint(run.cfg, run.tokenizer, run.index, run.plan, log=lambda _: None)
+        if (now[0].name if now is not None else None) != chosen:
+            log(f"Run {run.run_dir} moved on while this driver waited for it: resuming from "
+                f"{now[0].name if now is not None else 'the start'} instead of {chosen or 'the start'}")
+            run.resume_from, run.resume_meta = now or (None, None)
+            if run.resume_from is not None:
+                run.init_weights = None
+        lease.record_resume(run.resume_meta.sequence if run.resume_meta is not None else 0)
+    except BaseException:
+        lease.release()
+        raise
+    run.lease_epoch = lease.epoch
+    return lease
+
+
+def _interrupt_fit(run: PreparedRun) -> Callable[[str], None] | None:
+    """What the lease does when it finds itself superseded: a driver training in its main thread
+    gets Ray Train's own Ctrl-C while `trainer.fit()` runs (its handler aborts the controller and
+    with it the workers); under Tune (a trial's thread) the workers stop at their next save, when
+    they check the lease themselves."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(_: str) -> None:
+        if run.fitting:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return interrupt
+
+
 def fit_run(run: PreparedRun, callbacks: list | None = None) -> dict:
-    """Train the run to its end; its final metrics. A user error from a worker, or a NaN stop,
-    comes back as one RaychatError line."""
+    """Train the run to its end; its final metrics. A user error from a worker, a NaN stop, or the
+    loss of the run's lease to another driver comes back as one RaychatError line."""
     if run.finished:
         return finished_metrics(run)
-    lease = RunLease(run.run_dir)
-    lease.acquire()
+    lease = hold_run(run)
     release_stale_reservation(run.run_dir)
     try:
+        if run.finished:  # the driver it took over from reached the horizon meanwhile
+            return finished_metrics(run)
         trainer = build_trainer(run, callbacks=callbacks)
         clear_stop_note(run.cfg.storage_path, run.cfg.name)
         try:
+            run.fitting = True
             result = trainer.fit()
-        except Exception as e:  # Ray wraps worker errors; surface a user error as its one line
+        except (Exception, KeyboardInterrupt, SystemExit) as e:  # Ray wraps worker errors: one line
+            if lease.lost is not None:  # (Ray's Ctrl-C handler exits 0 if the controller is gone)
+                raise RaychatError(lease.lost) from None
             user_error = stopped_by_error(run) or worker_error(e)
             if user_error is not None:
                 raise user_error from None
             raise
+        finally:
+            run.fitting = False
+        lease.check()  # the workers stopped because another driver holds the run: say so
     finally:
         lease.release()
     user_error = stopped_by_error(run)

@@ -51,6 +51,8 @@ class Coordinator:
         self.last_step: int | None = None  # the last step the current attempt finished
         self.world_size: int | None = None
         self.notice_step: int | None = None  # the step saved on a preemption notice, this attempt
+        self.last_progress: float | None = None  # when the current attempt last finished a step
+        self.noticed: float | None = None  # when the controller last began a restart or resize
         self.attempts = 0
         self.final: dict = {}
 
@@ -76,7 +78,11 @@ class Coordinator:
         self.notice_step = step
 
     def progress(self, step: int) -> None:
-        self.last_step = step
+        self.last_step, self.last_progress = step, time.time()
+
+    def restart_noticed(self, at: float) -> None:
+        """The controller began restarting or resizing the group (`NoteRestart`), at `at`."""
+        self.noticed = at
 
     def finish(self, metrics: dict) -> None:
         """Rank 0's last report: Ray Train hands the driver only metrics reported with a checkpoint,
@@ -92,9 +98,11 @@ class Coordinator:
     def start_attempt(self, step: int, world_size: int) -> dict:
         """Called by rank 0 of each new attempt: what the previous attempt did."""
         previous = {"attempt": self.attempts, "last_step": self.last_step, "world_size": self.world_size,
-                    "planned_step": self.saved_step, "notice_step": self.notice_step}
+                    "planned_step": self.saved_step, "notice_step": self.notice_step,
+                    "last_progress": self.last_progress, "noticed": self.noticed}
         self.attempts += 1
         self.last_step, self.world_size, self.saved_step, self.notice_step = None, world_size, None, None
+        self.last_progress = self.noticed = None
         # A planned-resize request the old group never answered (it came at the last step, or the
         # save outlasted the controller's wait) belongs to that group: the new one must not save and
         # sleep for it, nor log a later real failure as a planned resize.
@@ -146,6 +154,19 @@ class PlannedResizeSave(ControllerCallback):
             if ray.get(coordinator.get_saved_step.remote()) is not None:
                 return
             time.sleep(0.2)
+
+
+class NoteRestart(ControllerCallback):
+    """Tell the run's coordinator when the controller starts a restart (it noticed a failure) or a
+    resize: the time ledger's end of detection (raychat.run.ledger)."""
+
+    def __init__(self, session: str):
+        self.session = session
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        if isinstance(current_state, (RestartingState, ResizingState)):
+            with contextlib.suppress(ValueError, ray.exceptions.RayError):  # the ledger only loses a split
+                ray.get_actor(coordinator_name(self.session)).restart_noticed.remote(time.time())
 
 
 class FreshClusterView(ControllerCallback):
@@ -249,24 +270,27 @@ def describe_attempt(previous: dict, step: int, world_size: int, checkpoint: str
 @dataclass
 class ElasticSignals:
     """A worker's side of the elastic protocol: whether any rank was asked to save now (rank 0 by
-    the coordinator for a planned resize, any rank whose node got a preemption notice). Each rank
-    reads its own flags without blocking (`local_flags`) beside the step; they ride on the step's
-    loss all-reduce (raychat.run.step.train_step), and `update` takes the sums back."""
+    the coordinator for a planned resize or by its checkpoint cadence, any rank whose node got a
+    preemption notice). Each rank reads its own flags without blocking (`local_flags`) beside the
+    step; they ride on the step's loss all-reduce (raychat.run.step.train_step), and `update` takes
+    the sums back."""
 
     coordinator: "ray.actor.ActorHandle | None" = None  # rank 0: the run's Coordinator actor
     save_request: "ray.ObjectRef | None" = None  # rank 0: a pending Coordinator.poll_request() reply
     preempt_saved: bool = False  # saved on this attempt's preemption notice already
     resize_requested: bool = False
     preempt_requested: bool = False
+    checkpoint_due: bool = False  # rank 0's auto cadence (raychat.run.cadence) wants the next step saved
 
-    def local_flags(self) -> tuple[float, float]:
-        """(resize requested here, preemption noticed here) as numbers to sum across ranks."""
+    def local_flags(self, checkpoint_due: bool = False) -> tuple[float, float, float]:
+        """(resize requested here, preemption noticed here, a periodic save due by rank 0's cadence)
+        as numbers to sum across ranks."""
         preempted = not self.preempt_saved and preemption_noticed()
-        return float(self._poll_resize()), float(preempted)
+        return float(self._poll_resize()), float(preempted), float(checkpoint_due)
 
     def update(self, summed: list[float]) -> None:
-        resize, preempt = summed
-        self.resize_requested, self.preempt_requested = resize > 0, preempt > 0
+        resize, preempt, due = summed
+        self.resize_requested, self.preempt_requested, self.checkpoint_due = resize > 0, preempt > 0, due > 0
 
     @property
     def save_now(self) -> bool:

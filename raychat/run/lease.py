@@ -1,17 +1,23 @@
-"""One driver per run at a time: a lease file in the run's directory, kept alive by a heartbeat.
+"""One driver per run at a time: the next lease epoch, created atomically, and a heartbeat in it.
 
 Ctrl-C on `ray job submit` stops following the logs, not the job; resubmitting it starts a second
 driver on the same run name, and two drivers' saves and prunes would delete each other's
-checkpoints. So a driver holds `raychat_lease.json` in the run directory while it trains and bumps a
-counter in it every `heartbeat_s`. A new driver that finds a lease not released watches the counter
-for a few heartbeats on its own monotonic clock: if the counter moves, the run has a live writer and
-the new driver refuses in one line; if not, the holder is gone (killed, node lost) and the lease is
-taken over. No clock is compared across machines: storage that sets file times from a skewed
-client (FUSE mounts of buckets, Lustre) cannot fool it.
+checkpoints. So a driver takes the run by creating the next epoch's record
+(raychat.checkpoint.fence): the storage makes that create atomic, so of two drivers racing for one
+epoch exactly one gets it, however slow either's requests are. Its workers stamp every checkpoint
+with the epoch and write nothing once a higher epoch exists.
+
+A driver that finds the newest epoch not released watches its heartbeat for a few beats on its
+own monotonic clock: if the beat moves, the run has a live driver and the newcomer refuses in one
+line; if not, the holder is gone (killed, node lost, paused) and the next epoch is created. No clock
+is compared across machines. A record that cannot be read is retried, never taken as free.
+
+The holder re-reads the lease at every heartbeat. Once superseded (a higher epoch exists: it was
+paused or cut off for longer than the takeover takes), or unable to confirm its epoch for
+STALE_AFTER_BEATS beats, it stops: `on_lost` tells its workers to stop at their next step, and the
+driver exits with one line naming the new holder.
 """
 
-import contextlib
-import json
 import os
 import socket
 import threading
@@ -19,86 +25,135 @@ import time
 import uuid
 from collections.abc import Callable
 
+from raychat.checkpoint import fence
+from raychat.checkpoint.fence import LeaseLost, LeaseRecord
 from raychat.common import RaychatError
+from raychat.faults import StorageUnavailable
 from raychat.storage import Storage
 
-LEASE_FILE = "raychat_lease.json"
-HEARTBEAT_S = 5.0
+HEARTBEAT_S = 5.0  # $RAYCHAT_LEASE_HEARTBEAT_S overrides: a takeover waits STALE_AFTER_BEATS of them
 STALE_AFTER_BEATS = 3  # heartbeats a silent lease is watched before it is taken over
 
 
 class RunLease:
-    """The lease of one driver on one run directory; `acquire`, train, `release`."""
+    """The lease of one driver on one run directory: `acquire`, `record_resume`, train, `release`."""
 
-    def __init__(self, run_dir: Storage, heartbeat_s: float = HEARTBEAT_S):
+    def __init__(self, run_dir: Storage, heartbeat_s: float | None = None,
+                 on_lost: Callable[[str], None] | None = None):
         self.run_dir = run_dir
-        self.heartbeat_s = heartbeat_s
-        self.holder = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
-                       "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-        self._beat = 0
+        self.heartbeat_s = heartbeat_s or float(os.environ.get("RAYCHAT_LEASE_HEARTBEAT_S") or HEARTBEAT_S)
+        self.on_lost = on_lost
+        self.record: LeaseRecord | None = None
+        self.lost: str | None = None  # why this driver no longer holds the run, once it does not
+        self._holder = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _read(self) -> dict | None:
-        if not self.run_dir.exists(LEASE_FILE):
-            return None
-        try:
-            return json.loads(self.run_dir.read_bytes(LEASE_FILE))
-        except (ValueError, OSError):
-            return None  # half-written by a holder that died mid-write: nobody holds it
+    @property
+    def epoch(self) -> int:
+        return self.record.epoch if self.record is not None else 0
 
-    def _write(self, released: bool = False) -> None:
-        lease = {**self.holder, "beat": self._beat, "released": released}
-        self.run_dir.write_bytes(LEASE_FILE, json.dumps(lease).encode())
+    def _describe(self, record: LeaseRecord) -> str:
+        return f"host {record.host}, pid {record.pid}, since {record.started}, lease epoch {record.epoch}"
 
-    def _check_free(self, log: Callable[[str], None]) -> None:
-        """Return once no live driver holds the run; raise if one does."""
-        seen = self._read()
-        if seen is None or seen.get("released"):
-            return
-        log(f"Run {self.run_dir} has a lease from {seen.get('host')} (pid {seen.get('pid')}): "
-            f"checking whether that driver is alive ({STALE_AFTER_BEATS * self.heartbeat_s:.0f} s)")
+    def _wait_for_silence(self, seen: LeaseRecord, log: Callable[[str], None]) -> None:
+        """Return once `seen`'s holder has been silent for STALE_AFTER_BEATS beats; raise if it beats."""
+        log(f"Run {self.run_dir} is held by a driver ({self._describe(seen)}): checking whether it is alive "
+            f"({STALE_AFTER_BEATS * self.heartbeat_s:.0f} s)")
         deadline = time.monotonic() + STALE_AFTER_BEATS * self.heartbeat_s
         while time.monotonic() < deadline:
             time.sleep(min(1.0, self.heartbeat_s / 2))
-            now = self._read()
-            if now is None or now.get("released"):
-                return
-            if now.get("id") != seen.get("id") or now.get("beat") != seen.get("beat"):
+            newest = fence.epochs(self.run_dir, log=log)[-1]
+            now = fence.read_record(self.run_dir, newest, log=log)
+            if now.epoch != seen.epoch or now.beat != seen.beat:
+                if now.released:
+                    return
                 raise RaychatError(
-                    f"run {self.run_dir} is being trained by another driver (host {now.get('host')}, pid "
-                    f"{now.get('pid')}, since {now.get('started')}): wait for it to end or stop it "
-                    "(`ray job stop`, Ctrl-C on a local run), or choose another --run-name")
-        log(f"The lease on {self.run_dir} is stale (no heartbeat): taking it over")
+                    f"run {self.run_dir} is being trained by another driver ({self._describe(now)}): wait "
+                    "for it to end or stop it (`ray job stop`, Ctrl-C on a local run), or choose another "
+                    "--run-name")
+        log(f"The lease on {self.run_dir} is stale (no heartbeat from epoch {seen.epoch}): taking it over")
 
-    def acquire(self, log: Callable[[str], None] = print) -> None:
-        """Hold the run, or raise one RaychatError line naming the driver that does."""
-        self._check_free(log)
-        self._write()
-        # Two drivers that found the run free at the same moment both wrote: the last write wins,
-        # and the other sees it here, after both writes have landed.
-        time.sleep(min(1.0, self.heartbeat_s / 5))
-        winner = self._read()
-        if winner is not None and winner.get("id") != self.holder["id"]:
-            raise RaychatError(f"run {self.run_dir} was just taken by another driver (host "
-                               f"{winner.get('host')}, pid {winner.get('pid')}): choose another --run-name")
+    def acquire(self, floor: Callable[[], int], log: Callable[[str], None] = print) -> None:
+        """Hold the run (a new epoch), or raise one RaychatError line naming the driver that does.
+        `floor()` is the highest sequence among the run's checkpoints, asked for at the last moment
+        before the epoch is created (a holder being taken over may still be saving)."""
+        found = fence.epochs(self.run_dir, log=log)
+        newest = found[-1] if found else 0
+        if newest:
+            seen = fence.read_record(self.run_dir, newest, log=log)
+            if not seen.released:
+                self._wait_for_silence(seen, log)
+        record = LeaseRecord(epoch=newest + 1, holder=self._holder, host=socket.gethostname(),
+                             pid=os.getpid(), started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), floor=floor())
+        if not fence.create_record(self.run_dir, record):
+            winner = fence.read_record(self.run_dir, record.epoch, log=log)
+            raise RaychatError(f"run {self.run_dir} was just taken by another driver "
+                               f"({self._describe(winner)}): wait for it to end or choose another --run-name")
+        self.record = record
         self._thread = threading.Thread(target=self._heartbeat, name="raychat-lease", daemon=True)
         self._thread.start()
 
+    def record_resume(self, sequence: int) -> None:
+        """The sequence of the checkpoint this epoch resumes from (0: a fresh start). Older epochs'
+        checkpoints numbered above it are never chosen or counted again (a rewind, or a superseded
+        writer's late save)."""
+        self.record.resumed = sequence
+        fence.replace_record(self.run_dir, self.record)
+        self.check()
+
+    def check(self) -> None:
+        """Raise LeaseLost once another driver holds the run."""
+        if self.lost is not None:
+            raise LeaseLost(self.lost)
+        newer = fence.Fence(self.run_dir, self.epoch).newer()
+        if newer is not None:
+            self._lose(newer)
+            raise LeaseLost(self.lost)
+
+    def _lose(self, newer: int | None) -> None:
+        if newer is not None:
+            try:
+                holder = self._describe(fence.read_record(self.run_dir, newer))
+            except (OSError, RaychatError, StorageUnavailable):
+                holder = f"lease epoch {newer}"
+            self.lost = (f"run {self.run_dir} was taken over by another driver ({holder}) while this "
+                         f"driver (lease epoch {self.epoch}) was paused or cut off: this driver stopped and "
+                         "its workers wrote nothing after that; follow the new driver instead")
+        else:
+            self.lost = (f"this driver could not confirm its lease on {self.run_dir} for "
+                         f"{STALE_AFTER_BEATS} heartbeats (storage unreachable): it stopped so that another "
+                         "driver can take the run safely; re-run to resume once storage answers")
+        if self.on_lost is not None:
+            self.on_lost(self.lost)
+
     def _heartbeat(self) -> None:
+        """Beat, then look for a higher epoch; stop the run once superseded or unconfirmed."""
+        failures = 0
         while not self._stop.wait(self.heartbeat_s):
-            self._beat += 1
-            # A storage hiccup: the next beat tries again (only 3 silent beats free the lease).
-            with contextlib.suppress(OSError):
-                self._write()
+            try:
+                # One beat's worth of retries: a holder must notice it cannot confirm its lease
+                # before the silence lets another driver take the run.
+                newer = fence.Fence(self.run_dir, self.epoch, budget_s=self.heartbeat_s / 2).newer()
+                if newer is not None:
+                    self._lose(newer)
+                    return
+                self.record.beat += 1
+                fence.replace_record(self.run_dir, self.record)
+                failures = 0
+            except (OSError, StorageUnavailable, RaychatError):
+                failures += 1  # a beat lost to storage: others see silence for as long
+                if failures >= STALE_AFTER_BEATS:
+                    self._lose(None)
+                    return
 
     def release(self) -> None:
-        """Let the next driver in at once (a killed driver's lease frees itself after 3 beats)."""
+        """Let the next driver in at once (a killed driver's lease is taken over after 3 silent beats)."""
         if self._thread is None:
             return
         self._stop.set()
         self._thread.join()
         self._thread = None
-        current = self._read()
-        if current is not None and current.get("id") == self.holder["id"]:
-            self._write(released=True)
+        if self.lost is None and fence.Fence(self.run_dir, self.epoch).newer() is None:
+            self.record.released = True
+            fence.replace_record(self.run_dir, self.record)

@@ -24,6 +24,7 @@ import ray.train
 import torch
 
 import raychat
+from raychat.checkpoint.fence import LeaseLost
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.stop_note import read_stop_note, write_stop_note
 from raychat.common import RaychatError
@@ -32,6 +33,7 @@ from raychat.data.loader import merge_cursor
 from raychat.data.validation import pack_validation_rows
 from raychat.model.flops import mfu as compute_mfu
 from raychat.model.generate import generate
+from raychat.run.cadence import SaveCadence
 from raychat.run.checkpointing import state_pieces
 from raychat.run.core_metric import core_due, evaluate_core
 from raychat.run.elastic import ElasticSignals
@@ -109,15 +111,27 @@ def save(w: Worker, state: LoopState, wait: bool) -> bool:
     per attempt (a spot notice's save is not repeated at a --save-every step: rewriting a whole
     checkpoint would leave none at that step while it is rewritten). Returns False, saving nothing,
     when the weights are not finite: a NaN is never checkpointed."""
-    if w.saver.submitted_step == state.step:
+    if w.saver.already_saved(state.step):
         return True
     if not weights_are_finite(w.orig_model):
         return False
-    w.publisher.flush()  # the metrics log holds every step a checkpoint covers, even in a bucket
-    w.saver.prepare(state.step)
-    gathered = all_gather_objects((w.loader.state(), uuid.uuid4().hex), w.world_size)
+    # Rank 0 checks the run lease's fence and every rank hears its verdict in the gather below: a
+    # group whose driver lost the run writes nothing more (not even the metrics log) and stops.
+    lost = None
+    if w.master:
+        try:
+            w.saver.fence.check()
+        except LeaseLost as e:
+            lost = str(e)
+    if lost is None:
+        w.publisher.flush()  # the metrics log holds every step a checkpoint covers, even in a bucket
+        w.saver.prepare(state.step)
+    gathered = all_gather_objects((w.loader.state(), uuid.uuid4().hex, lost), w.world_size)
+    if gathered[0][2] is not None:
+        raise LeaseLost(gathered[0][2])
     pieces, plain = state_pieces(w.orig_model, w.optimizer, w.world_size, w.rank)
-    meta = checkpoint_meta(w, state, merge_cursor([cursor for cursor, _ in gathered])) if w.master else None
+    cursors = [cursor for cursor, _, _ in gathered]
+    meta = checkpoint_meta(w, state, merge_cursor(cursors)) if w.master else None
     w.saver.save(state.step, pieces, gathered[0][1], meta, extra=plain, wait=wait)
     return True
 
@@ -199,6 +213,12 @@ def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
+def _save_due(cfg: TrainConfig, step: int, signals: ElasticSignals) -> bool:
+    """--save-every N: every N steps; 0 (auto): when rank 0's cadence asked for it at the last step
+    (raychat.run.cadence), agreed through that step's all-reduce so every rank saves this step."""
+    return signals.checkpoint_due if cfg.save_every == 0 else _due(step, cfg.save_every)
+
+
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train entry point (raychat.run.driver.build_trainer writes `config`).
 
@@ -212,6 +232,11 @@ def train_loop_per_worker(config: dict) -> None:
         return
     try:
         _train(config)
+    except LeaseLost as e:
+        # Another driver holds the run: this group ends without a word to storage (no stop note),
+        # and a restart of it by Ray ends at its start (raychat.run.worker_setup). The driver,
+        # once it runs again, says so in one line.
+        print(f"raychat: {e}", flush=True)
     except RaychatError as e:
         write_stop_note(cfg.storage_path, cfg.name,
                         {"reason": "error", "session": config["session"], "message": str(e)})
@@ -222,28 +247,49 @@ def _train(config: dict) -> None:
     w, state, signals = setup(config)
     cfg, num_iterations = w.cfg, w.plan.num_iterations
     first_step = state.step
+    # An attempt restarted after the final save (a node lost during the final report, a planned
+    # resize at the last step) finds everything done: its final eval and CORE are in the checkpoint's
+    # loop state, and the checkpoint is not written again.
+    done_before = state.step >= num_iterations and w.saver.already_saved(state.step)
+    auto_save = w.master and cfg.save_every == 0
+    cadence = SaveCadence(cfg.max_lost_minutes, first_step, w.log) if auto_save else None
+    clock = w.publisher.clock  # the time ledger's causes outside steps (raychat.run.ledger)
     while True:
         last_step = state.step >= num_iterations  # the driver refuses a resume past the horizon
         metrics: dict[str, Any] = {}
-        if last_step or _due(state.step, cfg.eval_every):
-            metrics["val_bpb"] = evaluate(w, state)
-        if core_due(cfg, state.step, last_step):
-            metrics.update(evaluate_core(w, state))
-        if w.master and (last_step or (state.step > 0 and _due(state.step, cfg.sample_every))):
-            sample(w, state.step)
-        w.saver.poll()
-        # Save every --save-every steps and at the end, not at the step we resumed from.
-        due = last_step or (state.step != first_step and _due(state.step, cfg.save_every))
-        if due and not save(w, state, wait=last_step):
-            stop_on_nan(w, "Weights are not finite", state.step)
-            break
+        with clock("eval"):
+            if done_before:
+                metrics["val_bpb"] = state.val_bpb
+                if state.core_metric is not None:
+                    metrics["core_metric"] = state.core_metric
+            elif last_step or _due(state.step, cfg.eval_every):
+                metrics["val_bpb"] = evaluate(w, state)
+            if core_due(cfg, state.step, last_step) and not done_before:
+                metrics.update(evaluate_core(w, state))
+            if w.master and not done_before and (last_step or (state.step > 0 and _due(state.step,
+                                                                                       cfg.sample_every))):
+                sample(w, state.step)
+        if w.saver.poll() is not None and cadence is not None:
+            cadence.save_written(w.saver.writer.write_seconds)
+        # Save on the cadence and at the end, not at the step we resumed from.
+        if last_step or (state.step != first_step and _save_due(cfg, state.step, signals)):
+            with clock("checkpoint") as stall:
+                saved = save(w, state, wait=last_step)
+            if not saved:
+                stop_on_nan(w, "Weights are not finite", state.step)
+                break
+            if cadence is not None:
+                cadence.save_stalled(stall["seconds"])
         if metrics or last_step:
             report(w, state, metrics, last_step, signals.coordinator)
         if last_step:
             break
 
-        result = train_step(w, state.step, also_sum=signals.local_flags())
+        save_next = cadence is not None and cadence.due(state.step + 1, w.saver.submitted_step)
+        result = train_step(w, state.step, also_sum=signals.local_flags(save_next))
         signals.update(result.summed)
+        if cadence is not None:
+            cadence.step_done(result.dt)
         if w.trace_dir:
             _trace_consumed(w, state.step)
         if not math.isfinite(result.loss):
@@ -261,9 +307,12 @@ def _train(config: dict) -> None:
         elif state.step % 5000 == 0:
             gc.collect()
         state.step += 1
-        if signals.save_now and state.step < num_iterations and not save_on_request(w, state, signals):
-            stop_on_nan(w, "Weights are not finite", state.step)
-            break
+        if signals.save_now and state.step < num_iterations:
+            with clock("checkpoint"):
+                saved = save_on_request(w, state, signals)
+            if not saved:
+                stop_on_nan(w, "Weights are not finite", state.step)
+                break
 
     w.saver.close()
     w.loader.close()

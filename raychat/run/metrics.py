@@ -19,11 +19,14 @@ dashboard's Grafana panels and any Prometheus read.
 """
 
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from raychat.common import RaychatError
+from raychat.run.ledger import Ledger, ledger
 from raychat.run.metrics_log import MetricsLog
 
 EMA_BETA = 0.9  # nanochat's smoothing of the logged training loss
@@ -117,6 +120,7 @@ GAUGES = {
     "step": "optimizer steps done",
     "world_size": "training workers in the current worker group",
     "data_wait_seconds": "seconds the last step waited for its batch",
+    "goodput": "share of the run's wall time so far in steps that advanced training (raychat.run.ledger)",
 }
 
 
@@ -202,23 +206,55 @@ class Publisher:
                  wandb: WandbLogger | None = None, metrics_log: MetricsLog | None = None):
         self._log, self._gauges, self._wandb, self._metrics_log = log, gauges, wandb, metrics_log
         self.last: StepMetrics | None = None  # the latest step, for the next report
+        # This attempt's time outside steps, by cause (raychat.run.ledger), written with every step.
+        self.seconds_so_far = {"eval": 0.0, "checkpoint": 0.0}
+        self._before: Ledger | None = None  # the run's ledger up to this attempt's start (rank 0)
+        self._started = 0.0  # this attempt's start record's time
+        self._advanced_s = 0.0  # this attempt's step time that advanced training, data waits apart
 
     def _record(self, kind: str, **fields: Any) -> None:
         if self._metrics_log is not None:
             self._metrics_log.write(kind, **fields)
 
     def start(self, **fields: Any) -> None:
-        """An attempt started (rank 0, after setup): its step, world size, plan and restart counts."""
-        self._record("start", **fields)
+        """An attempt started (rank 0, after setup): its step, world size, plan, restart counts and the
+        times the ledger splits a restart by. The ledger of the run before it is computed once, here."""
+        if self._metrics_log is None:
+            return
+        record = self._metrics_log.write("start", **fields)
+        earlier, self._metrics_log.earlier = self._metrics_log.earlier, []  # read once, not kept
+        self._before, self._started = ledger([*earlier, record]), record["time"]
+
+    @contextmanager
+    def clock(self, cause: str) -> Iterator[dict[str, float]]:
+        """Count the time of the block under `cause` ("eval", "checkpoint"); the dict it yields holds
+        the block's own `seconds` afterwards."""
+        span, t0 = {"seconds": 0.0}, time.perf_counter()
+        try:
+            yield span
+        finally:
+            span["seconds"] = time.perf_counter() - t0
+            self.seconds_so_far[cause] += span["seconds"]
+
+    def goodput(self) -> float | None:
+        """The run's goodput so far (rank 0): the ledger before this attempt and this attempt's steps."""
+        if self._before is None:
+            return None
+        wall = self._before.wall_s + time.time() - self._started
+        return (self._before.seconds["training"] + self._advanced_s) / wall if wall > 0 else None
+
+    def _so_far(self) -> dict[str, float]:
+        return {f"{cause}_s_so_far": seconds for cause, seconds in self.seconds_so_far.items()}
 
     def step(self, m: StepMetrics) -> None:
         self.last = m
+        self._advanced_s += m.dt - m.data_wait_s
         self._log(m.line())
         if self._gauges is not None:
-            self._gauges.update(**m.gauges())
+            self._gauges.update(**m.gauges(), goodput=self.goodput())
         if self._wandb is not None and m.step % WANDB_EVERY == 0:
             self._wandb.log(m.wandb(), m.step)
-        self._record("step", **asdict(m))
+        self._record("step", **asdict(m), **self._so_far())
 
     def eval(self, step: int, val_bpb: float, total_training_time: float) -> None:
         self._log(format_val_line(step, val_bpb))
@@ -250,7 +286,10 @@ class Publisher:
 
         if self.last is not None:
             metrics = {**self.last.tune(), **metrics}
-        self._record("report", **metrics)  # written at once, as every record but steps
+        goodput = self.goodput()
+        if goodput is not None:
+            metrics["goodput"] = goodput
+        self._record("report", **metrics, **self._so_far())  # written at once, as every record but steps
         ray.train.report(metrics)
 
     def flush(self) -> None:

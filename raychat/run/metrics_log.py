@@ -23,6 +23,9 @@ from typing import Any
 
 import pyarrow as pa
 
+from raychat.checkpoint.fence import Fence
+from raychat.faults import StorageUnavailable
+from raychat.run.ledger import Ledger, ledger
 from raychat.storage import Storage
 
 METRICS_FILE = "metrics.jsonl"
@@ -43,8 +46,9 @@ def _clean(value: Any) -> Any:
 class MetricsLog:
     """Appends records to one run's metrics.jsonl (create on rank 0 only)."""
 
-    def __init__(self, run: Storage):
+    def __init__(self, run: Storage, fence: Fence | None = None):
         self._run = run
+        self._fence = fence or Fence(run, 0)  # a superseded writer's lines never reach the file
         self._pending: list[str] = []
         self._last_flush = time.monotonic()
         self._warned = False
@@ -52,17 +56,24 @@ class MetricsLog:
         # A killed attempt may have left half a line: start ours on a line of its own.
         self._needs_newline = bool(existing) and not existing.endswith(b"\n")
         self._content = existing if not run.is_local else b""  # object stores: the file as written
+        self.earlier = parse_records(existing.decode(errors="replace"))  # what earlier attempts wrote
 
-    def write(self, kind: str, **fields: Any) -> None:
-        self._pending.append(json.dumps(_clean({"kind": kind, "time": time.time(), **fields})))
+    def write(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Log one record; returns it as written (with its time)."""
+        record = _clean({"kind": kind, "time": time.time(), **fields})
+        self._pending.append(json.dumps(record))
         if self._run.is_local or kind != "step" or time.monotonic() - self._last_flush >= REMOTE_FLUSH_S:
             self.flush()
+        return record
 
     def flush(self) -> None:
         if not self._pending:
             return
         data = ("\n" if self._needs_newline else "") + "".join(line + "\n" for line in self._pending)
         try:
+            if self._fence.newer() is not None:  # another driver holds the run: its log, not ours
+                self._pending = []
+                return
             if self._run.is_local:
                 self._run.make_dir()
                 with self._run.fs.open_append_stream(self._run.path(METRICS_FILE)) as f:
@@ -70,9 +81,9 @@ class MetricsLog:
             else:
                 self._run.write_bytes(METRICS_FILE, self._content + data.encode())
                 self._content += data.encode()
-        except (OSError, pa.ArrowException) as e:
+        except (OSError, pa.ArrowException, StorageUnavailable) as e:
             if not self._warned:  # the checkpoints matter more than this log: say so once, train on
-                print(f"raychat: cannot write {self._run.location}/{METRICS_FILE} ({e}); will retry",
+                print(f"raychat: cannot write {self._run.child(METRICS_FILE)} ({e}); will retry",
                       file=sys.stderr, flush=True)
                 self._warned = True
             return
@@ -88,6 +99,7 @@ class Timeline:
     evals: list[dict[str, Any]] = field(default_factory=list)  # one per eval step, in step order
     samples: list[dict[str, Any]] = field(default_factory=list)
     reports: list[dict[str, Any]] = field(default_factory=list)
+    ledger: Ledger = field(default_factory=lambda: Ledger(0.0, []))  # the run's wall time by cause
 
     @property
     def last_report(self) -> dict[str, Any]:
@@ -109,7 +121,8 @@ def parse_records(text: str) -> list[dict[str, Any]]:
 
 def final_timeline(records: list[dict[str, Any]]) -> Timeline:
     """Replay the records: an attempt starting at step s supersedes what earlier attempts wrote from
-    step s on; a record for a step seen before replaces the earlier one."""
+    step s on; a record for a step seen before replaces the earlier one. Every attempt's time, the
+    superseded included, goes into the ledger."""
     starts: list[dict[str, Any]] = []
     by_kind: dict[str, dict[int, dict[str, Any]]] = {"step": {}, "eval": {}, "samples": {}, "report": {}}
     last_time = None
@@ -127,7 +140,8 @@ def final_timeline(records: list[dict[str, Any]]) -> Timeline:
             by_kind[kind][record["step"]] = record
         last_time = record.get("time", last_time)
     ordered = {k: [v[s] for s in sorted(v)] for k, v in by_kind.items()}
-    return Timeline(starts, ordered["step"], ordered["eval"], ordered["samples"], ordered["report"])
+    return Timeline(starts, ordered["step"], ordered["eval"], ordered["samples"], ordered["report"],
+                    ledger(records))
 
 
 def read_timeline(run: Storage) -> Timeline | None:

@@ -7,7 +7,15 @@ tasks: the runtime env's worker_process_setup_hook, raychat.run.runtime_env):
     ray/train/v2/_internal/execution/context.py, whose logger is named by its file path);
   - Ray Data's per-dataset lines on the console: "Starting execution of Dataset", "registers for
     logging while another dataset ... is also logging", "Dataset ... execution finished in ..."
-    (INFO, logger "ray.data"; its file log, ray-data.log in the session's log directory, keeps them).
+    (INFO, logger "ray.data"; its file log, ray-data.log in the session's log directory, keeps them),
+    and its notice that progress bars are off (raychat's loader turns them off);
+  - the driver's "Connected to Ray cluster. View the dashboard at ..." and Ray's token-auth notice
+    at ray.init (raychat.run.driver.ray_line says where the dashboard is and how to get its token;
+    the loggers are named in raychat.run.ray_internals).
+The Train controller's and workers' narration of each attempt (resource requests, state transitions,
+the worker group and its list, the process group, the failure policy's retry) is silenced through
+Ray Train's own LoggingConfig (raychat.run.driver.train_logging); raychat says each attempt in one
+line of its own (raychat.run.worker_setup).
 Warnings Ray raises about its own internals, which raychat cannot fix, are filtered one by one, each
 naming the Ray code that raises it, so the filter can go when Ray fixes it.
 
@@ -22,7 +30,8 @@ runs a tiny training so).
 import logging
 import os
 import warnings
-from pathlib import Path
+
+from raychat.run.ray_internals import CHATTY_LOGGERS, PROGRESS_NOTICE, TOKEN_AUTH_LOGGER, TRAIN_REPORT_LOGGER
 
 VERBOSE_ENV = "RAYCHAT_VERBOSE"
 STRICT_ENV = "RAYCHAT_STRICT_WARNINGS"
@@ -43,11 +52,20 @@ def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
 
 
-def _train_report_logger() -> logging.Logger:
-    """Ray Train's context logger: `logging.getLogger(__file__)` in its execution/context.py."""
-    import ray.train
+class DropNotice(logging.Filter):
+    """Drops a logger's records whose message starts with `prefix`: one notice, not the logger."""
 
-    return logging.getLogger(str(Path(ray.train.__file__).parent / "v2/_internal/execution/context.py"))
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def chatty_loggers() -> list[logging.Logger]:
+    """The loggers quiet_ray raises to WARNING: Ray Train's per-report line and the driver's ray.init."""
+    return [logging.getLogger(name) for name in (TRAIN_REPORT_LOGGER, *CHATTY_LOGGERS)]
 
 
 def quiet_ray(main_is_raychat: bool = False) -> None:
@@ -64,7 +82,13 @@ def quiet_ray(main_is_raychat: bool = False) -> None:
 
     for pattern in RAY_INTERNAL_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=DeprecationWarning)
-    _train_report_logger().setLevel(logging.WARNING)
+    for logger in chatty_loggers():
+        logger.setLevel(logging.WARNING)
+    logging.getLogger(TOKEN_AUTH_LOGGER).setLevel(logging.ERROR)  # said by the driver's "Ray:" line
+    name, prefix = PROGRESS_NOTICE
+    progress = logging.getLogger(name)
+    if not any(isinstance(f, DropNotice) for f in progress.filters):
+        progress.addFilter(DropNotice(prefix))
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler):
             handler.setLevel(logging.WARNING)  # the console; the session's ray-data.log keeps INFO

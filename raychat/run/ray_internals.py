@@ -3,9 +3,17 @@
 Private names move between Ray releases without notice. When one does, tests/test_ray_internals.py
 fails with the installed Ray version in its message, and this module is the one to fix. Used by
 raychat.run.console (the driver's log printer), raychat.run.elastic (controller callbacks, the
-cluster view and its reservations, the preemption flag) and nothing else.
+cluster view and its reservations, the preemption flag), raychat.run.driver (the job's recorded
+command line), raychat.run.quiet (the loggers of Ray's chatter) and nothing else.
 """
 
+import re
+from collections.abc import Callable
+from subprocess import list2cmdline
+
+import psutil
+import ray._private.utils as ray_utils
+import ray.train.v2._internal.execution.context as train_context
 from ray._private.ray_logging import global_worker_stdstream_dispatcher
 from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.context import get_train_context
@@ -47,3 +55,50 @@ def preemption_noticed() -> bool:
     costly to call every step."""
     context = getattr(get_train_context(), "preemption_context", None)
     return getattr(context, "preemption_info", None) is not None
+
+
+def record_command_line_redacted(redact: Callable[[str], str]) -> None:
+    """Ray records a driver's command line (`get_entrypoint_name`: the process's argv) as its job's
+    entrypoint, which `ray job list`, the dashboard and Ray Train's run state show; nothing public
+    sets it. Record it with every argument (and every `--flag=value`'s value) through `redact`, so
+    a location's credentials given as a flag show as `***` there. Call before `ray.init`."""
+
+    def shown(arg: str) -> str:
+        flag, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        return flag + equals + redact(value)
+
+    ray_utils.get_entrypoint_name = lambda: list2cmdline([shown(a) for a in psutil.Process().cmdline()])
+
+
+# Ray's loggers (`logging.getLogger(__name__)` in the module named) whose INFO lines raychat says in
+# its own words; raychat.run.quiet raises them to WARNING. (Ray Train's narration of each attempt is
+# silenced through its public LoggingConfig instead: raychat.run.driver.train_logging.) A module that
+# moves brings its lines back unnoticed, so the test pins each one.
+CHATTY_LOGGERS = {
+    # The driver's ray.init: "Started a local Ray instance. View the dashboard at ...", "Connecting to
+    # existing Ray cluster at address: ...", "Connected to Ray cluster. View the dashboard at ..."
+    # (raychat.run.driver.ray_line says where the dashboard is).
+    "ray._private.worker": "View the dashboard at",
+}
+# The driver's ray.init of a local cluster logs "Token authentication is enabled for this Ray cluster"
+# (a WARNING about Ray's default, not about the run) and "Generated new authentication token and saved
+# to ~/.ray/auth_token" (INFO), and nothing else here; raychat.run.driver.connect_ray raises this
+# logger to ERROR around ray.init and says what it means for the user in one line of its own.
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+# Ray Train's logger of "Reporting training result N: TrainingReport(...)" at every report (INFO):
+# `logging.getLogger(__file__)` in ray/train/v2/_internal/execution/context.py.
+TRAIN_REPORT_LOGGER = train_context.__file__
+
+
+# Ray Data's notice that its progress bars are off (a WARNING, once per process, logger
+# "ray.data._internal.progress", `get_progress_manager`): raychat's loader turns them off on purpose.
+PROGRESS_NOTICE = ("ray.data._internal.progress", "Progress bars disabled")
+
+# An ERROR the Train controller's core worker logs at every worker-group start (core_worker.cc:
+# "Actor with class name: 'PreemptionWatcher' ... has constructor arguments in the object store and
+# max_restarts > 0"). Ray's own doing: PreemptionCallback.after_worker_group_start (ray/train/v2/
+# _internal/callbacks/preemption_callback.py) creates that actor with max_restarts=-1 and the
+# workers' actor handles as constructor arguments; raychat passes nothing to it (it needs the
+# watcher: the preemption flag above). A C++ log line, so the driver's printer drops it.
+PREEMPTION_WATCHER_ARGS = re.compile(
+    r"Actor with class name: 'PreemptionWatcher' .* has constructor arguments in the object store")

@@ -22,6 +22,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
+from raychat.checkpoint.fence import Fence, LeaseLost
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.resume import Restore, candidates
 from raychat.checkpoint.saver import CheckpointSaver
@@ -195,10 +196,12 @@ def _build_model_and_optimizer(cfg: TrainConfig, plan: Plan, device: torch.devic
     return orig_model, model, optimizer, precision.name
 
 
-def _start_attempt(config: dict, state: LoopState, resumed_from: str | None, me: _Rank) -> ElasticSignals:
-    """Rank 0 tells the run's coordinator an attempt started, logs why if it is a restart and counts it."""
+def _start_attempt(config: dict, state: LoopState, resumed_from: str | None, me: _Rank
+                   ) -> tuple[ElasticSignals, dict]:
+    """Rank 0 tells the run's coordinator an attempt started, logs why if it is a restart and counts it.
+    Also returns the times the time ledger splits a restart by (raychat.run.ledger)."""
     if me.rank != 0:
-        return ElasticSignals()
+        return ElasticSignals(), {}
     coordinator = ray.get_actor(coordinator_name(config["session"]))
     previous = ray.get(coordinator.start_attempt.remote(state.step, me.world_size))
     start = describe_attempt(previous, state.step, me.world_size, resumed_from)
@@ -207,20 +210,24 @@ def _start_attempt(config: dict, state: LoopState, resumed_from: str | None, me:
     state.restarts += start.kind == "failure"
     state.resizes += start.kind == "planned"
     state.redone_steps += start.redone_steps
-    return ElasticSignals(coordinator)
+    return ElasticSignals(coordinator), {"noticed": previous.get("noticed"),
+                                         "last_progress": previous.get("last_progress")}
 
 
 def _publisher(w: Worker, state: LoopState, run: Storage, precision: str, peak_source: str,
-               resumed_from: str | None) -> Publisher:
+               resumed_from: str | None, times: dict) -> Publisher:
     """Rank 0's sinks (gauges, wandb, the run's metrics log, which records this attempt's start with
-    the plan, for raychat.report); the other ranks only report to Ray Train."""
+    the plan, for raychat.report, and the times of its start, for the time ledger); the other ranks
+    only report to Ray Train."""
     if not w.master:
         return Publisher(w.log)
-    publisher = Publisher(w.log, RayMetrics(run_name=w.cfg.name), w.wandb, MetricsLog(run))
+    # The log's fence check gives up at once on a storage fault: the log retries at its next flush.
+    metrics_log = MetricsLog(run, Fence(run, w.saver.fence.epoch, budget_s=0))
+    publisher = Publisher(w.log, RayMetrics(run_name=w.cfg.name), w.wandb, metrics_log)
     publisher.start(step=state.step, world_size=w.world_size, restarts=state.restarts, resizes=state.resizes,
                     redone_steps=state.redone_steps, resumed_from=resumed_from, precision=precision,
                     device=str(w.device), plan=w.plan.to_json(), config=w.cfg.to_public_dict(),
-                    peak_flops=w.peak_flops, peak_flops_source=peak_source)
+                    peak_flops=w.peak_flops, peak_flops_source=peak_source, session=w.session, **times)
     return publisher
 
 
@@ -244,6 +251,7 @@ def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
     The resume position comes first: with the cursor known the loader starts now, so Ray Data's
     start-up and the tokenizing of the packer's first documents overlap building and restoring the
     model."""
+    setup_started = time.time()  # the time ledger's end of rescheduling and start of restore
     cfg = TrainConfig.from_dict(config["train_config"])
     me = _this_rank()
     use_compile = uses_compile(cfg.compile, me.device)
@@ -254,7 +262,14 @@ def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
     plan = Plan.from_json(config["plan"]).at_world_size(me.world_size)  # the driver's, dealt to this group
     plan = _fit_to_device(plan, cfg, me, use_compile)
     run = Storage(cfg.storage_path).child(cfg.name)
-    index: CorpusIndex = config["corpus_index"]   # the driver's, from the footers: no listing here
+    # A group Ray restarted after its driver lost the run's lease ends here, before it reads or
+    # writes anything; rank 0 looks and every rank follows (raychat.checkpoint.fence).
+    fence = Fence(run, config.get("lease_epoch", 0))
+    newer = me.gather(fence.newer() if me.rank == 0 else None)[0]
+    if newer is not None:
+        raise LeaseLost(f"run {run} is held by a newer driver (lease epoch {newer}, this group's "
+                        f"{fence.epoch}): this worker group stops without training")
+    index: CorpusIndex = ray.get(config["corpus_index"])   # the driver's, from the footers: no listing here
     confirm_identity(index, where)
     trace_dir = os.environ.get("RAYCHAT_TRACE_DIR")
     restore = _agree_on_restore(config, run, tokenizer, me)
@@ -273,11 +288,14 @@ def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
         apply_share(share, orig_model, optimizer, me.world_size, me.device)
         del share
         state = LoopState(**{**restore.meta.loop_state, "step": restore.meta.step})
-        me.log(f"Resumed from {restore.checkpoint} at step {state.step} "
-               f"(saved by {restore.meta.world_size} workers, now {me.world_size})")
+        saved_by = restore.meta.world_size
+        origin = f"Resumed from {restore.checkpoint} at step {state.step} (saved by {saved_by} workers)"
     elif config.get("init_weights") is not None:  # a new run from nanochat's weights (every attempt
         orig_model.load_state_dict(ray.get(config["init_weights"]), strict=True)  # until its first save)
-    signals = _start_attempt(config, state, resumed_from, me)
+        origin = "Starting from nanochat's weights at step 0"
+    else:
+        origin = "Starting at step 0 (no checkpoint)"
+    signals, times = _start_attempt(config, state, resumed_from, me)
 
     slices = micro_slices(rank_rows(plan.rows_per_step, me.world_size, me.rank), plan.device_batch_size)
     peak, peak_source = peak_flops(me.device)
@@ -291,13 +309,16 @@ def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
         model=model, optimizer=optimizer, storage_path=cfg.storage_path, session=config["session"],
         corpus_meta=corpus_record(index),
         saver=CheckpointSaver(run, cfg.keep_checkpoints, me.rank, me.world_size, me.log, parent=restore.meta,
-                              parent_name=resumed_from),
+                              parent_name=resumed_from, fence=fence),
         micro_slices=slices, peak_flops=peak, trace_dir=trace_dir,
         wandb=WandbLogger(cfg.run, config=cfg.to_public_dict()) if master else None,
         attempt=me.gather(f"{time.time():.3f}")[0] if trace_dir else "",
     )
-    worker.publisher = _publisher(worker, state, run, precision, peak_source, resumed_from)
-    me.log(f"Training {plan.num_iterations} steps on {me.world_size} worker(s), {slices[-1].stop} rows/step "
-           f"on rank 0 in micro-batches {[s.stop - s.start for s in slices]}, device {me.device}, "
-           f"{precision}")
+    times.update(launched=config.get("launched"), setup_started=setup_started)
+    worker.publisher = _publisher(worker, state, run, precision, peak_source, resumed_from, times)
+    # The attempt's one line (Ray's own narration of it is silenced: raychat.run.quiet).
+    nodes = len(set(me.gather(ray.get_runtime_context().get_node_id())))
+    me.log(f"{origin}: training to step {plan.num_iterations} at world size {me.world_size} ({me.world_size} "
+           f"worker(s) on {nodes} node(s)), {slices[-1].stop} rows/step on rank 0 in micro-batches "
+           f"{[s.stop - s.start for s in slices]}, device {me.device}, {precision}")
     return worker, state, signals

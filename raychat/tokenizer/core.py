@@ -94,7 +94,7 @@ class Tokenizer:
 
     @classmethod
     def load(cls, tokenizer_dir: str | Path) -> "Tokenizer":
-        location = str(tokenizer_dir)
+        location = tokenizer_dir if isinstance(tokenizer_dir, str) else str(tokenizer_dir)  # a SafeLocation
         if is_uri(location):
             directory = local_copy(location, (RANKS_FILE, HF_FILE, TOKEN_BYTES_FILE), META_FILE)
         else:

@@ -50,14 +50,19 @@ def import_nanochat_tokenizer(pickle_path: str | Path, out_dir: str | Path, trus
     pickle_path = Path(pickle_path).expanduser().resolve()
     if pickle_path.is_dir():
         pickle_path = pickle_path / "tokenizer.pkl"
+    if not pickle_path.is_file():
+        raise RaychatError(f"--from {pickle_path} does not exist: give nanochat's tokenizer directory "
+                           "(NANOCHAT_BASE_DIR/tokenizer) or its tokenizer.pkl")
     if not trust_pickle:
         raise RaychatError(f"{pickle_path} is a pickle: loading it runs code the file names. If it comes "
                            "from a nanochat run you trust, add --trust-pickle")
     try:
         with open(pickle_path, "rb") as f:
             encoding = pickle.load(f)  # noqa: S301 - the user said the file is trusted
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-        raise RaychatError(f"{pickle_path} does not load ({type(e).__name__}: {e})") from None
+    except Exception as e:  # noqa: BLE001 - a damaged pickle fails in any way its opcodes lead to
+        reason = (str(e).splitlines() or [""])[0][:200]
+        raise RaychatError(f"{pickle_path} does not load ({type(e).__name__}: {reason}): give the "
+                           "tokenizer.pkl nanochat wrote") from None
     if not isinstance(encoding, tiktoken.Encoding):
         raise RaychatError(f"{pickle_path} holds a {type(encoding).__name__}, not nanochat's tiktoken "
                            "Encoding")

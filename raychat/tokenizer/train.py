@@ -127,7 +127,7 @@ def train_tokenizer(data_dir: str | Path, out_dir: str | Path, vocab_size: int =
                            f"{MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
     if max_chars < 1 or doc_cap < 1:
         raise RaychatError(f"--max-chars ({max_chars}) and --doc-cap ({doc_cap}) must be at least 1")
-    data_dir = normalize_location(str(data_dir))  # a local path or a bucket URI
+    data_dir = normalize_location(data_dir)  # a local path or a bucket URI
     out_dir = Path(out_dir).expanduser().resolve()
     index = CorpusIndex.load(data_dir)  # a bad corpus fails here, before any training
     from tokenizers.trainers import BpeTrainer

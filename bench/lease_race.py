@@ -1,0 +1,110 @@
+"""Drivers racing for one run: how many trials, how many ended with more than one writer (target 0).
+
+    python -m bench.lease_race --trials 50                  # local disk and moto's S3, 2-4 drivers each
+    python -m bench.lease_race --trials 20 --storage s3 --json
+
+Each trial starts 2-4 drivers (seeded) on a fresh run at one moment. On S3 every other driver talks
+to the bucket through the fault proxy (bench.s3_fault_proxy), its lease writes delayed by a seeded
+0-1.5 s: the old write-sleep-reread lease let both drivers in once one PUT was 1.3 s slower. A trial
+counts a double writer when more than one driver believes it holds the run, or when more than one
+lease epoch was created.
+"""
+
+import argparse
+import json
+import random
+import threading
+import time
+
+from raychat.checkpoint import fence
+from raychat.common import RaychatError, run_cli
+from raychat.run.lease import RunLease
+from raychat.storage import Storage
+
+BUCKET = "raychat-lease-race"
+
+
+def race(runs: list[Storage], rng: random.Random, heartbeat_s: float = 0.05) -> list[str]:
+    """One driver per entry of `runs` (views of one run directory, e.g. direct and proxied) acquires
+    at the same moment, after a seeded jitter of a few ms; "won" or the line each refusal said."""
+    start = threading.Barrier(len(runs))
+    outcomes = [""] * len(runs)
+    leases = [RunLease(run, heartbeat_s=heartbeat_s) for run in runs]
+    jitter = [rng.uniform(0, 0.004) for _ in runs]
+
+    def go(i: int) -> None:
+        start.wait()
+        time.sleep(jitter[i])
+        try:
+            leases[i].acquire(floor=lambda: 0, log=lambda _: None)
+            outcomes[i] = "won"
+        except RaychatError as e:
+            outcomes[i] = str(e)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(runs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for lease in leases:
+        lease.release()
+    return outcomes
+
+
+def run_trials(kind: str, trials: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    double = refused = 0
+    started = time.perf_counter()
+    if kind == "local":
+        import tempfile
+
+        root = tempfile.mkdtemp(prefix="raychat-lease-race-")
+        for trial in range(trials):
+            run = Storage(f"{root}/run{trial}")
+            outcomes = race([run] * rng.randint(2, 4), rng)
+            double += outcomes.count("won") != 1 or len(fence.epochs(run)) != 1
+            refused += len(outcomes) - outcomes.count("won")
+    else:
+        from bench.s3_fault_proxy import S3FaultProxy
+        from bench.s3_server import start_moto
+
+        server, endpoint = start_moto(BUCKET)
+        try:
+            with S3FaultProxy(endpoint, seed=seed) as proxy:
+                for trial in range(trials):
+                    prefix = f"run{trial}?endpoint_override={{}}&scheme=http"
+                    direct = Storage(f"s3://{BUCKET}/" + prefix.format(endpoint))
+                    slowed = Storage(f"s3://{BUCKET}/" + prefix.format(proxy.address))
+                    delay = proxy.inject("delay", method="PUT", match="/lease/", delay_s=rng.uniform(0, 1.5))
+                    outcomes = race([direct if i % 2 == 0 else slowed for i in range(rng.randint(2, 4))], rng)
+                    delay.ended.set()
+                    double += outcomes.count("won") != 1 or len(fence.epochs(direct)) != 1
+                    refused += len(outcomes) - outcomes.count("won")
+        finally:
+            server.terminate()
+            server.wait()
+    return {"storage": kind, "trials": trials, "double_writers": int(double), "drivers_refused": refused,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.lease_race", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=50, help="races per storage kind (default 50)")
+    parser.add_argument("--storage", choices=["local", "s3", "both"], default="both",
+                        help="local disk, moto's S3 behind the fault proxy, or both (default)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of driver counts, jitter and delays")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per storage kind")
+    args = parser.parse_args(argv)
+    kinds = ["local", "s3"] if args.storage == "both" else [args.storage]
+    for kind in kinds:
+        result = run_trials(kind, args.trials, args.seed)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"{kind:5s}: {result['trials']} trials, {result['double_writers']} with more than one "
+                  f"writer, {result['drivers_refused']} drivers refused in one line ({result['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,149 @@
+"""Lease epochs on storage: who may write a run, and which checkpoints a superseded writer left.
+
+A run directory holds `lease/epoch_<n>.json`, one file per driver that ever took the run. A driver
+takes the run by creating the next epoch's file with an operation the storage makes atomic
+(`Storage.create_exclusive`: link on local disk and NFS, `If-None-Match: *` on S3), so two drivers
+can never both hold epoch n + 1: the highest epoch is the writer, by construction, not by timing.
+This is a fencing token, as etcd and ZooKeeper clients use: every checkpoint records the epoch of
+the driver whose workers wrote it, and a writer that finds a higher epoch on storage writes and
+deletes nothing more (`Fence.check`, before every save's manifest and every prune).
+
+A writer may still finish a write it began before it was superseded (a check, then a pause, then
+the write). So the takeover itself fixes what survives of the old epochs: each record says how far
+its driver found the run (`floor`, the highest sequence among the run's complete checkpoints when
+the epoch was created), and once its driver has chosen, the sequence it resumed from (`resumed`).
+A checkpoint of an older epoch numbered above that bound was written after the takeover, or lies
+on a branch a `--resume-from-step` rewound past: it is never chosen and never counted
+(`superseded`). Holder liveness (the heartbeat in each record) is raychat.run.lease's concern.
+"""
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+
+from raychat.common import RaychatError
+from raychat.faults import retry_transient
+from raychat.storage import Storage
+
+LEASE_DIR = "lease"
+_PREFIX, _SUFFIX = "epoch_", ".json"
+
+
+class LeaseLost(RaychatError):
+    """This writer's epoch is no longer the run's highest: another driver took the run over."""
+
+
+def epoch_file(epoch: int) -> str:
+    return f"{_PREFIX}{epoch:08d}{_SUFFIX}"
+
+
+def _epoch_of(name: str) -> int | None:
+    digits = name[len(_PREFIX):-len(_SUFFIX)]
+    ok = name.startswith(_PREFIX) and name.endswith(_SUFFIX) and digits.isdigit()
+    return int(digits) if ok else None
+
+
+@dataclass
+class LeaseRecord:
+    """One epoch's file. `beat` moves while its driver lives; `released` says it let go."""
+
+    epoch: int
+    holder: str  # a fresh id per driver process
+    host: str
+    pid: int
+    started: str
+    floor: int  # highest sequence among the run's complete checkpoints when this epoch was created
+    resumed: int | None = None  # the sequence this epoch's driver resumed from (0: a fresh start)
+    beat: int = 0
+    released: bool = False
+
+    @property
+    def bound(self) -> int:
+        """Checkpoints of older epochs numbered above this were not on the run as this epoch found it."""
+        return self.floor if self.resumed is None else min(self.floor, self.resumed)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> "LeaseRecord":
+        try:
+            raw = json.loads(data)
+            known = {f.name for f in fields(cls)}
+            return cls(**{k: v for k, v in raw.items() if k in known})
+        except (ValueError, TypeError) as e:
+            # Records are created and replaced whole (never truncated in place): unreadable bytes are
+            # damage, which no retry heals and no guess may treat as "free".
+            raise RaychatError(f"lease record {where} is damaged ({type(e).__name__}): something other than "
+                               "raychat wrote it; check what runs on this run, then remove it") from None
+
+
+def lease_dir(run: Storage) -> Storage:
+    return run.child(LEASE_DIR)
+
+
+def epochs(run: Storage, log: Callable[[str], None] | None = None,
+           budget_s: float | None = None) -> list[int]:
+    """Epoch numbers present on storage, ascending (one listing, retried through storage faults)."""
+    directory = lease_dir(run)
+    kwargs = {"log": log} if log is not None else {}
+    infos = retry_transient(directory.entries, f"listing {directory}", budget_s=budget_s, **kwargs)
+    return sorted(e for e in (_epoch_of(info.base_name) for info in infos) if e is not None)
+
+
+def read_record(run: Storage, epoch: int, log: Callable[[str], None] | None = None) -> LeaseRecord:
+    directory = lease_dir(run)
+    kwargs = {"log": log} if log is not None else {}
+    data = retry_transient(lambda: directory.read_bytes(epoch_file(epoch)),
+                           f"reading {directory.child(epoch_file(epoch))}", **kwargs)
+    return LeaseRecord.from_json(data, str(directory.child(epoch_file(epoch))))
+
+
+def records(run: Storage) -> list[LeaseRecord]:
+    """Every epoch's record, ascending."""
+    return [read_record(run, epoch) for epoch in epochs(run)]
+
+
+def create_record(run: Storage, record: LeaseRecord) -> bool:
+    """Create `record`'s epoch file if no driver has; True if this call took that epoch."""
+    directory = lease_dir(run)
+    name = epoch_file(record.epoch)
+    return retry_transient(lambda: directory.create_exclusive(name, record.to_json()),
+                           f"creating {directory.child(name)}")
+
+
+def replace_record(run: Storage, record: LeaseRecord) -> None:
+    """The holder's own update of its epoch's file (heartbeat, resume point, release)."""
+    lease_dir(run).replace_atomically(epoch_file(record.epoch), record.to_json())
+
+
+def superseded(leases: list[LeaseRecord]) -> Callable[[int, int], bool]:
+    """Whether a checkpoint of (epoch, sequence) was left by a superseded writer or an abandoned
+    branch: some later epoch found the run before that sequence existed (or rewound below it)."""
+    bounds = [(record.epoch, record.bound) for record in leases]
+
+    def test(epoch: int, sequence: int) -> bool:
+        return any(later > epoch and sequence > bound for later, bound in bounds)
+
+    return test
+
+
+class Fence:
+    """A worker's check that its driver still holds the run: `check()` raises LeaseLost once a
+    higher epoch exists. Epoch 0 (tools, tests, old callers) never fences."""
+
+    def __init__(self, run: Storage, epoch: int, budget_s: float | None = None):
+        self.run, self.epoch, self.budget_s = run, epoch, budget_s
+
+    def newer(self) -> int | None:
+        """The highest epoch above this one, if any (one listing)."""
+        if self.epoch <= 0:
+            return None
+        found = epochs(self.run, budget_s=self.budget_s)
+        return found[-1] if found and found[-1] > self.epoch else None
+
+    def check(self) -> None:
+        newer = self.newer()
+        if newer is not None:
+            raise LeaseLost(f"run {self.run} was taken over by another driver (lease epoch {newer}, this "
+                            f"writer's {self.epoch}): this writer stopped and wrote nothing more")

@@ -1,0 +1,140 @@
+"""How often a run checkpoints when --save-every is 0 (auto, the default).
+
+What a checkpoint interval trades: a node lost without notice redoes the steps since the last whole
+checkpoint, plus those trained while the newest one was still being written; every save stalls the
+step loop (the copy to host memory, the cursors' gather) and keeps a writer busy in the background.
+So the interval is chosen from what the run measures, not guessed:
+
+- the shortest interval whose saves stall training by at most STALL_BUDGET of its time and leave the
+  writer idle at least half of it (one save in flight: a save due while the last one is still
+  writing would wait for it, and a writer never idle competes with the loader for the host);
+- capped so that a node lost just before a save is whole redoes at most --max-lost-minutes of
+  training (the interval plus the write time).
+
+Saving as often as the stall budget allows, rather than as rarely as the loss cap allows, is what
+keeps goodput high when nodes do go: at a 100 ms stall and 4 s steps the loop saves every 3 steps
+for 0.8% of its time, and a loss redoes seconds, not a minute. When the two cannot both hold (a long
+stall, a slow write), the loss cap the user set wins over the stall budget and the writer's idle
+half, never over one save in flight, and the log says what the saves then cost. A first save that
+also allocated its host buffers stalls longer than the next ones: the next save, within the cap,
+measures again.
+
+A save's stall and write time are known only after a save, so each attempt saves once PROBE_STEPS
+steps in, then chooses. Rank 0 decides (`SaveCadence`) and its "save now" rides on the step's loss
+all-reduce (raychat.run.elastic.ElasticSignals), so every rank saves at the same step.
+"""
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+STALL_BUDGET = 0.01  # the share of training time saves may stall the loop
+WRITER_DUTY = 0.5  # the share of the interval a save's background write may take
+PROBE_STEPS = 5  # the first save of an attempt, this many steps in: past compilation's first step
+RECENT_STEPS = 50  # the step time is the median of this many recent steps
+CHANGE = 1.25  # a longer interval is adopted only when it is this much longer (no flapping)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A chosen checkpoint interval and the numbers it was chosen from."""
+
+    every: int  # steps
+    step_s: float
+    stall_s: float
+    write_s: float
+    max_lost_s: float
+    met: bool  # the loss cap holds within the stall budget and the writer's idle half
+
+    @property
+    def lost_s(self) -> float:
+        """The most training a node lost without notice redoes at this interval."""
+        return self.every * self.step_s + self.write_s
+
+    @property
+    def stall_share(self) -> float:
+        return self.stall_s / (self.every * self.step_s)
+
+    def describe(self) -> str:
+        why = (f"a node lost without notice redoes at most ~{self.lost_s:.0f}s of training "
+               f"(--max-lost-minutes {self.max_lost_s / 60:g}), saves stall it {100 * self.stall_share:.2f}%")
+        if not self.met:
+            why = (f"--max-lost-minutes {self.max_lost_s / 60:g} needs saves that stall training more than "
+                   f"{100 * STALL_BUDGET:g}% or keep the writer busy more than half the time: a node lost "
+                   f"without notice redoes at most ~{self.lost_s:.0f}s, saves stall it "
+                   f"{100 * self.stall_share:.2f}% (a longer --max-lost-minutes saves less often)")
+        return (f"every {self.every} steps (~{self.every * self.step_s:.1f}s; "
+                f"step {1000 * self.step_s:.0f}ms, save stall {1000 * self.stall_s:.0f}ms, "
+                f"written in {self.write_s:.1f}s): {why}")
+
+
+def choose_interval(step_s: float, stall_s: float, write_s: float, max_lost_s: float) -> Interval:
+    """The checkpoint interval for these measurements (see the module's docstring)."""
+    step_s = max(step_s, 1e-6)
+    by_stall = math.ceil(stall_s / (STALL_BUDGET * step_s))
+    by_write = math.ceil(write_s / (WRITER_DUTY * step_s))
+    shortest = max(1, by_stall, by_write)
+    longest = math.floor((max_lost_s - write_s) / step_s)  # interval + write within the loss cap
+    if shortest <= longest:
+        return Interval(shortest, step_s, stall_s, write_s, max_lost_s, True)
+    one_in_flight = max(1, math.ceil(write_s / step_s))  # the next save is due after this one is written
+    return Interval(max(one_in_flight, longest), step_s, stall_s, write_s, max_lost_s, False)
+
+
+def plan_line(save_every: int, max_lost_minutes: float) -> str:
+    """What the driver prints about checkpoints before the run starts."""
+    if save_every > 0:
+        return f"Checkpoints: every {save_every} steps and at the end (--save-every {save_every})"
+    if save_every < 0:
+        return ("Checkpoints: only at the end (--save-every -1): a node lost without notice restarts the run "
+                "from its last checkpoint, which may be its start")
+    return (f"Checkpoints: auto (--save-every 0): a save {PROBE_STEPS} steps into each attempt measures its "
+            f"stall and write time, then every N steps: the shortest interval whose saves stall training "
+            f"<= {100 * STALL_BUDGET:g}% and leave the writer idle half the time, and no longer than lets a "
+            f"node lost without notice redo {max_lost_minutes:g} min of training (--max-lost-minutes); "
+            f"the log says N and each change")
+
+
+class SaveCadence:
+    """Rank 0's side of --save-every 0: measures steps and saves, says when the next save is due."""
+
+    def __init__(self, max_lost_minutes: float, first_step: int, log: Callable[[str], None]):
+        self.max_lost_s = 60.0 * max_lost_minutes
+        self.first_step = first_step
+        self.log = log
+        self.interval: Interval | None = None  # None until the attempt's first save is measured
+        self._steps: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._stall_s = 0.0
+
+    def step_done(self, dt: float) -> None:
+        self._steps.append(dt)
+
+    def save_stalled(self, seconds: float) -> None:
+        self._stall_s = seconds
+
+    def save_written(self, write_s: float) -> None:
+        """A save is whole: choose the interval again from the latest numbers; log a change."""
+        if len(self._steps) < 2:
+            return
+        # The attempt's first step (compilation, the loader's start) is no step time to plan with.
+        steps = list(self._steps)[1:] if len(self._steps) < RECENT_STEPS else list(self._steps)
+        new = choose_interval(statistics.median(steps), self._stall_s, write_s, self.max_lost_s)
+        old = self.interval
+        if old is not None:
+            # Hysteresis both ways: measurements wobble (a save stalls 3.4 or 3.6 steps' worth), and
+            # flipping between neighbours says nothing. A shorter interval is taken at once only
+            # when the current one no longer keeps a loss within --max-lost-minutes.
+            close = abs(new.every - old.every) < 2 or old.every / CHANGE <= new.every <= CHANGE * old.every
+            within_cap = old.every * new.step_s + new.write_s <= self.max_lost_s
+            if close and (within_cap or new.every >= old.every):
+                return
+        self.interval = new
+        self.log(f"Checkpoint cadence: {new.describe()}" if old is None else
+                 f"Checkpoint cadence changed from every {old.every} steps: {new.describe()}")
+
+    def due(self, step: int, last_saved: int | None) -> bool:
+        """Whether the state before `step` is to be saved."""
+        since = step - (last_saved if last_saved is not None else self.first_step)
+        return since >= (self.interval.every if self.interval is not None else PROBE_STEPS)

@@ -1,0 +1,291 @@
+"""Storage faults sorted by what they are (raychat.faults), provoked for real: pyarrow's S3 client
+talking to moto's server through the fault-injecting proxy (bench.s3_fault_proxy). Transient faults
+are ridden out with one line per incident, past the budget they fail the attempt as a plain
+exception, and only what the user must fix is a RaychatError."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import TEST_BUCKET, s3_uri
+
+from bench.s3_fault_proxy import S3FaultProxy
+from raychat import faults
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.reader import load_checkpoint
+from raychat.checkpoint.saver import AsyncCheckpointWriter
+from raychat.checkpoint.sharded import Piece, save_checkpoint
+from raychat.common import RaychatError
+from raychat.corpus import files
+from raychat.corpus.index import CorpusIndex, read_unit_texts
+from raychat.corpus.writer import CorpusWriter
+from raychat.data.loader import _raise_read_failure
+from raychat.faults import StorageUnavailable, is_transient, retry_transient
+from raychat.storage import Storage
+
+DOCS = [f"document {i}: " + "words " * (i % 7) for i in range(120)]
+
+
+@pytest.fixture
+def proxy(s3_endpoint):
+    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def direct_client(proxy):
+    """pyarrow's S3 client through the proxy with its own retries off, so each fault reaches us."""
+    return pafs.S3FileSystem(endpoint_override=proxy.address, scheme="http",
+                             retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
+
+
+@pytest.fixture(autouse=True)
+def quick_backoff(monkeypatch):
+    """Retries 10x sooner than in production: what is tested is which faults are retried, not how long
+    the first backoff step is."""
+    monkeypatch.setattr(faults, "FIRST_DELAY_S", 0.05)
+
+
+@pytest.fixture
+def direct_corpus_client(monkeypatch, direct_client):
+    """The corpus reader's client without pyarrow's own retries (~6 s of them per failing call)."""
+    def storage(location: str) -> Storage:
+        return Storage(location, direct_client, Storage(location).root)
+
+    monkeypatch.setattr(files, "corpus_storage", storage)
+
+
+@pytest.fixture
+def corpus(s3_endpoint, proxy):
+    """A corpus of 3 train shards (one row group of 30 each) and a val shard in the bucket; its URI through
+    the proxy (the URI straight to moto is for writing it)."""
+    prefix = f"faults-{time.time_ns()}"
+    with CorpusWriter(s3_uri(s3_endpoint, prefix), docs_per_shard=30) as writer:
+        writer.add_train(DOCS[:90])
+        writer.add_val(DOCS[90:])
+    return s3_uri(proxy.address, prefix)
+
+
+def error_of(fn) -> Exception:
+    try:
+        fn()
+    except Exception as e:
+        return e
+    raise AssertionError("no error")
+
+
+def test_real_storage_errors_are_sorted_by_what_they_are(proxy, direct_client, tmp_path):
+    key = f"{TEST_BUCKET}/sort-{time.time_ns()}"
+    with direct_client.open_output_stream(key) as f:
+        f.write(b"x" * 50_000)
+
+    def read() -> bytes:
+        return direct_client.open_input_file(key).read_at(1000, 20_000)
+
+    def put() -> None:
+        with direct_client.open_output_stream(key + ".new") as f:
+            f.write(b"y")
+
+    for kind in ("slowdown", "error500", "reset", "cut"):
+        proxy.clear()
+        proxy.inject(kind, method="GET")
+        got = error_of(read)
+        assert isinstance(got, OSError) and is_transient(got), (kind, got)
+    for kind in ("slowdown", "error500", "reset"):
+        proxy.clear()
+        proxy.inject(kind, method="POST")   # the upload's start (CreateMultipartUpload)
+        got = error_of(put)
+        assert is_transient(got), (kind, got)
+    proxy.clear()
+    refused = pafs.S3FileSystem(endpoint_override="127.0.0.1:1", scheme="http",
+                                retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
+    assert is_transient(error_of(lambda: refused.get_file_info(key)))
+
+    # What no retry heals: a missing object or bucket, access refused, bytes that do not parse.
+    assert not is_transient(error_of(lambda: direct_client.open_input_file(key + ".missing")))
+    no_bucket = error_of(lambda: direct_client.open_output_stream("no-such-bucket-here/x").close())
+    assert "NO_SUCH_BUCKET" in str(no_bucket) and not is_transient(no_bucket)
+    assert not is_transient(OSError("When reading information for key 'x' in bucket 'b': AWS Error "
+                                    "ACCESS_DENIED during HeadObject operation: Access Denied"))
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1" + b"\0" * 100 + b"PAR1")
+    assert not is_transient(error_of(lambda: pq.read_table(tmp_path / "bad.parquet")))
+    assert not is_transient(RaychatError("fix the flag")) and not is_transient(StorageUnavailable("x"))
+
+    # Ray's own: a lost actor or node is transient; a task's error is what its cause is.
+    import ray.exceptions
+
+    assert is_transient(ray.exceptions.ActorDiedError()) and is_transient(ray.exceptions.NodeDiedError("n"))
+    assert is_transient(ray.exceptions.RayTaskError("read", "tb", ConnectionResetError("reset")))
+    assert not is_transient(ray.exceptions.RayTaskError("read", "tb", FileNotFoundError("gone")))
+
+
+def test_the_proxy_schedule_is_seeded(s3_endpoint, direct_client):
+    """Intermittent faults (`probability`) hit the same requests for the same seed: a chaos run replays."""
+    key = f"{TEST_BUCKET}/seeded-{time.time_ns()}"
+    with direct_client.open_output_stream(key) as f:
+        f.write(b"s" * 100)
+
+    def pattern(seed: int) -> list[bool]:
+        with S3FaultProxy(s3_endpoint, seed=seed) as proxy:
+            client = pafs.S3FileSystem(endpoint_override=proxy.address, scheme="http",
+                                       retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
+            proxy.inject("error500", method="GET", probability=0.5)
+            proxy.inject("delay", method="HEAD", delay_s=0.2, count=1)
+
+            def fails() -> bool:
+                try:
+                    client.open_input_file(key).read_at(10, 0)
+                    return False
+                except OSError:
+                    return True
+
+            started = time.monotonic()
+            assert client.get_file_info(key).size == 100   # the delayed request
+            assert time.monotonic() - started > 0.2 and proxy.injected["delay"] == 1
+            return [fails() for _ in range(12)]
+
+    first = pattern(7)
+    assert first == pattern(7) and first != pattern(8) and 2 <= sum(first) <= 10
+
+
+def test_retry_rides_out_a_stall_and_a_burst_of_503s_in_one_incident(proxy, direct_client):
+    key = f"{TEST_BUCKET}/ride-{time.time_ns()}"
+    with direct_client.open_output_stream(key) as f:
+        f.write(bytes(range(256)) * 100)
+    proxy.inject("stall", seconds=1.0)
+    proxy.inject("slowdown", method="GET", count=3)
+    lines: list[str] = []
+    started = time.monotonic()
+    data = retry_transient(lambda: direct_client.open_input_file(key).read_at(256, 512), "reading the key",
+                           log=lines.append, budget_s=60)
+    assert data == bytes(range(256))
+    assert proxy.injected["slowdown"] == 3 and proxy.injected["stall"] >= 1
+    assert len(lines) == 2, lines   # one when it started, one when it ended: not one per try
+    assert lines[0].startswith("storage fault while reading the key: ")
+    assert "retrying for up to 60 s" in lines[0]
+    assert lines[1].startswith("storage recovered while reading the key after ")
+    assert 1.0 < time.monotonic() - started < 20
+
+    # Many readers meeting one fault (the driver's 32 footer threads, say): still one incident.
+    lines.clear()
+    proxy.inject("slowdown", method="GET", count=12)
+
+    def read_four(_) -> bytes:
+        return retry_transient(lambda: direct_client.open_input_file(key).read_at(4, 0), "reading the key",
+                               log=lines.append)
+
+    with ThreadPoolExecutor(4) as pool:
+        reads = list(pool.map(read_four, range(4)))
+    assert reads == [bytes(range(4))] * 4 and proxy.injected["slowdown"] == 15
+    assert len(lines) == 2 and "recovered" in lines[1], lines
+
+
+def test_past_its_budget_a_fault_fails_the_attempt_not_the_run(proxy, direct_client, corpus, monkeypatch,
+                                                                direct_corpus_client):
+    key = f"{TEST_BUCKET}/budget-{time.time_ns()}"
+    with direct_client.open_output_stream(key) as f:
+        f.write(b"z" * 1000)
+    proxy.inject("slowdown", method="GET")   # a throttled bucket that does not recover
+    lines: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(StorageUnavailable, match="reading the key: .*still failing after 1 s") as raised:
+        retry_transient(lambda: direct_client.open_input_file(key).read_at(10, 0), "reading the key",
+                        log=lines.append, budget_s=1.0)
+    assert not isinstance(raised.value, RaychatError) and is_transient(raised.value.__cause__)
+    assert 1.0 <= time.monotonic() - started < 5 and len(lines) == 2 and "outlasted" in lines[1]
+
+    # The same in the corpus reader (the budget from the environment), whose row group reads used to
+    # end the run as a RaychatError.
+    proxy.clear()
+    index = CorpusIndex.load(corpus)
+    monkeypatch.setenv("RAYCHAT_RETRY_BUDGET_S", "1")
+    proxy.inject("error500", method="GET", match="shard_00001")
+    with pytest.raises(StorageUnavailable, match="shard_00001.parquet row group"):
+        read_unit_texts(index.train[1], location=corpus)
+    # A non-transient error is not retried: at once, one line naming the object.
+    proxy.clear()
+    Storage(corpus).delete("shard_00002.parquet")
+    with pytest.raises(RaychatError, match="shard_00002.parquet is gone"):
+        read_unit_texts(index.train[2], location=corpus)
+
+
+def storage_warnings(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if "raychat: warning: storage" in line]
+
+
+def test_indexing_a_bucket_rides_out_faults_on_footer_reads(proxy, corpus, capsys):
+    """With the client the driver really uses: pyarrow retries a failed request every 200 ms for 6 s
+    (~31 tries) before raychat sees it fail; 35 resets of one shard's reads outlast that once."""
+    undisturbed = CorpusIndex.load(corpus)
+    capsys.readouterr()
+    proxy.inject("slowdown", method="GET", count=3)   # absorbed by pyarrow
+    proxy.inject("reset", method="GET", match="shard_00002", count=35)
+    index = CorpusIndex.load(corpus)
+    assert index == undisturbed and proxy.injected["reset"] == 35
+    warnings = storage_warnings(capsys)
+    assert len(warnings) == 2 and "reading the footer of" in warnings[0], warnings
+    assert "storage recovered" in warnings[1], warnings
+
+
+def test_a_row_group_read_survives_a_stall_cuts_and_resets(proxy, corpus, capsys, direct_corpus_client):
+    index = CorpusIndex.load(corpus)
+    capsys.readouterr()
+    unit = index.train[1]   # shard_00001: documents 30..59
+    proxy.inject("stall", seconds=1.0)
+    proxy.inject("cut", method="GET", match="shard_00001", count=2)
+    proxy.inject("reset", method="GET", match="shard_00001", count=2)
+    started = time.monotonic()
+    assert read_unit_texts(unit, [3, 0], location=corpus) == [DOCS[33], DOCS[30]]
+    assert proxy.injected["cut"] == 2 and proxy.injected["reset"] == 2 and time.monotonic() - started > 1
+    warnings = storage_warnings(capsys)
+    assert len(warnings) == 2 and "shard_00001.parquet row group 0" in warnings[0], warnings
+
+
+def test_a_read_task_failure_is_raised_as_what_it_is():
+    """The loader gets a Ray Data task's error as text: user-fixable, transient, or a bug."""
+    from ray.exceptions import RayTaskError
+
+    def task_error(last_line: str, cause: Exception) -> RayTaskError:
+        return RayTaskError("MapBatches(_read_and_tokenize)", f"Traceback ...\n{last_line}\n", cause)
+
+    with pytest.raises(RaychatError, match=r"^s3://b/shard_00003.parquet is gone: restore it$"):
+        _raise_read_failure(task_error("raychat.common.RaychatError: s3://b/shard_00003.parquet is gone: "
+                                       "restore it", RuntimeError()))
+    with pytest.raises(StorageUnavailable, match="reading the corpus: reading s3://b/shard_0 row group 1"):
+        _raise_read_failure(task_error("raychat.faults.StorageUnavailable: reading s3://b/shard_0 row group "
+                                       "1 (still failing after 300 s)", RuntimeError()))
+    with pytest.raises(StorageUnavailable):
+        _raise_read_failure(task_error("OSError: reset", ConnectionResetError("reset")))
+    with pytest.raises(ZeroDivisionError):   # a bug keeps its traceback
+        _raise_read_failure(ZeroDivisionError("bug"))
+
+
+def test_checkpoint_reads_and_writes_sort_their_faults(proxy, direct_client, s3_endpoint, tmp_path):
+    run = f"ckpt-{time.time_ns()}"
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    meta = CheckpointMeta(step=3, model_config={"n_layer": 1})
+    save_checkpoint(Storage(s3_uri(s3_endpoint, run)), state, None, meta.to_json())
+    # A rank file's reads meet 503s and resets: retried, never taken for damage (which would
+    # resume an older checkpoint).
+    checkpoint = Storage(s3_uri(proxy.address, run), direct_client, f"{TEST_BUCKET}/{run}")
+    proxy.inject("slowdown", method="GET", match="rank_", count=2)
+    proxy.inject("reset", method="GET", match="rank_", count=1)
+    model, _, loaded = load_checkpoint(checkpoint)
+    assert torch.equal(model["w"], state["w"]) and loaded.step == 3
+    assert proxy.injected["slowdown"] == 2 and proxy.injected["reset"] == 1
+
+    # A write that failed: a storage fault fails the attempt; a refusal is the user's, in one line.
+    def failed_write(error: Exception) -> Exception:
+        writer = AsyncCheckpointWriter()
+        writer.submit(Storage(str(tmp_path)), [Piece("w", (1,), 0, torch.ones(1))],
+                      lambda snapshot: (_ for _ in ()).throw(error))
+        return error_of(writer.wait)
+
+    proxy.inject("reset", method="POST")   # the upload's start
+    reset = error_of(lambda: direct_client.open_output_stream(f"{TEST_BUCKET}/{run}/x").close())
+    assert type(failed_write(reset)) is StorageUnavailable
+    refused = failed_write(PermissionError(13, "Permission denied"))
+    assert isinstance(refused, RaychatError) and "check free space and permissions" in str(refused)

@@ -1,0 +1,142 @@
+"""Goodput without Ray: the auto checkpoint cadence's arithmetic (raychat.run.cadence) and the time
+ledger of a synthetic metrics log (raychat.run.ledger), through the report and raychat.status."""
+
+import json
+
+import pytest
+
+from raychat.config import PRESETS, TrainConfig
+from raychat.report.document import build_report
+from raychat.run.cadence import PROBE_STEPS, SaveCadence, choose_interval, plan_line
+from raychat.run.ledger import CAUSES, ledger
+from raychat.run.metrics_log import METRICS_FILE, parse_records
+from raychat.scaling import resolve_plan
+from raychat.status import storage_lines
+from raychat.storage import Storage
+
+
+def test_the_default_cadence_is_auto_and_the_fixed_ones_keep_their_meaning():
+    assert TrainConfig().save_every == 0 and TrainConfig().max_lost_minutes == 1.0
+    assert "save_every" not in PRESETS["cpu"]  # the preset runs on the cadence every run gets
+    assert "auto" in plan_line(0, 1.0) and "1 min" in plan_line(0, 1.0)
+    assert plan_line(7, 1.0) == "Checkpoints: every 7 steps and at the end (--save-every 7)"
+    assert "only at the end" in plan_line(-1, 1.0)
+
+
+def test_the_interval_is_the_shortest_the_stall_budget_and_the_writer_allow():
+    # 4 s steps, a 100 ms stall: 1% of the time needs 3 steps between saves (0.1 / 0.04 = 2.5).
+    cheap = choose_interval(step_s=4.0, stall_s=0.1, write_s=1.0, max_lost_s=60.0)
+    assert cheap.every == 3 and cheap.met and cheap.stall_share <= 0.01 and cheap.lost_s <= 60
+    # A 20 s write keeps the writer busy at most half the interval: 10 steps, whatever the stall.
+    slow_write = choose_interval(step_s=4.0, stall_s=0.01, write_s=20.0, max_lost_s=60.0)
+    assert slow_write.every == 10 and slow_write.met and slow_write.lost_s == 60.0
+    # 10 ms steps and a 20 ms stall: 200 steps (2 s) keep the stall at 1%.
+    assert choose_interval(0.01, 0.02, 0.05, 60.0).every == 200
+    # A 1 s stall at 0.5 s steps needs 200 steps (100 s) for 1%: the loss cap the user set wins
+    # (110 steps + the 5 s write = 60 s), the cost is said.
+    conflict = choose_interval(step_s=0.5, stall_s=1.0, write_s=5.0, max_lost_s=60.0)
+    assert conflict.every == 110 and not conflict.met and conflict.lost_s == 60.0
+    assert "saves stall it 1.82% (a longer --max-lost-minutes saves less often)" in conflict.describe()
+    # ... but never over one save in flight: a 90 s write is waited for, whatever the cap.
+    assert choose_interval(step_s=1.0, stall_s=0.01, write_s=90.0, max_lost_s=60.0).every == 90
+
+
+def test_rank_zeros_cadence_probes_then_chooses_and_logs_changes():
+    lines: list[str] = []
+    cadence = SaveCadence(max_lost_minutes=1.0, first_step=100, log=lines.append)
+    # Before any save: the probe, PROBE_STEPS steps into the attempt.
+    assert not cadence.due(100 + PROBE_STEPS - 1, None) and cadence.due(100 + PROBE_STEPS, None)
+    cadence.step_done(30.0)  # the attempt's first step (compilation) is not planned with
+    for _ in range(PROBE_STEPS):
+        cadence.step_done(4.0)
+    cadence.save_stalled(0.1)
+    cadence.save_written(1.0)
+    assert cadence.interval.every == 3 and lines == [f"Checkpoint cadence: {cadence.interval.describe()}"]
+    assert lines[0].startswith("Checkpoint cadence: every 3 steps (~12.0s; step 4000ms, save stall 100ms")
+    assert not cadence.due(107, 105) and cadence.due(108, 105)
+    cadence.save_stalled(0.11)  # a little longer: within the hysteresis, no change, no line
+    cadence.save_written(1.0)
+    assert cadence.interval.every == 3 and len(lines) == 1
+    cadence.save_stalled(0.13)  # 4 steps would do: a neighbour, no flip-flop between 3 and 4
+    cadence.save_written(1.0)
+    assert cadence.interval.every == 3 and len(lines) == 1
+    cadence.save_stalled(0.5)  # much longer: 13 steps keep the stall at 1%
+    cadence.save_written(1.0)
+    assert cadence.interval.every == 13
+    assert lines[-1].startswith("Checkpoint cadence changed from every 3 steps: every 13 steps")
+
+
+def synthetic_log() -> list[dict]:
+    """A run in one driver: attempt 1 starts at t=10 (launched at t=0), trains steps 0..9 (1 s each,
+    0.1 s waiting for data) with a 2 s eval before step 0 and a 0.5 s save before step 6; it dies
+    after step 9 (t=22.5). Ray notices at t=30, the new group runs the train function at t=33 and
+    has restored step 6 at t=36; it trains 6..9 again from t=37 (the first step 1 s after restore),
+    then saves the end in 0.5 s and reports at t=41.5."""
+    records = [{"kind": "start", "time": 10.0, "step": 0, "session": "s", "launched": 0.0, "restarts": 0}]
+    t, ckpt = 12.0, 0.0  # the eval at step 0 takes 10..12
+    records.append({"kind": "eval", "time": t, "step": 0, "val_bpb": 3.0})
+    for step in range(10):
+        if step == 6:
+            t, ckpt = t + 0.5, 0.5
+        t += 1.0
+        records.append({"kind": "step", "time": t, "step": step, "dt": 1.0, "data_wait_s": 0.1,
+                        "eval_s_so_far": 2.0, "checkpoint_s_so_far": ckpt})
+    records.append({"kind": "start", "time": 36.0, "step": 6, "session": "s", "launched": 0.0, "restarts": 1,
+                    "noticed": 30.0, "setup_started": 33.0, "last_progress": t})
+    t = 37.0
+    for step in range(6, 10):
+        t += 1.0
+        records.append({"kind": "step", "time": t, "step": step, "dt": 1.0, "data_wait_s": 0.1,
+                        "eval_s_so_far": 0.0, "checkpoint_s_so_far": 0.0})
+    records.append({"kind": "report", "time": t + 0.5, "step": 10, "eval_s_so_far": 0.0,
+                    "checkpoint_s_so_far": 0.5, "train_done": True})
+    return records
+
+
+def test_the_ledger_accounts_every_second_of_a_restarted_run():
+    run = ledger(synthetic_log())
+    assert run.wall_s == pytest.approx(41.5)
+    assert sum(run.seconds.values()) == pytest.approx(run.wall_s)
+    first, restart = run.attempts
+    assert first.kind == "first" and restart.kind == "restart" and restart.step == 6
+    # Attempt 1: start-up until its first step began (t=12 less the 2 s eval), steps 0..5 advanced,
+    # 6..9 were redone, one save, one eval.
+    assert first.seconds["startup"] == pytest.approx(10.0)
+    assert first.seconds["eval"] == 2.0 and first.seconds["checkpoint"] == 0.5
+    assert first.seconds["redone"] == pytest.approx(4.0)
+    # The restart: noticed 7.5 s after the last step, 3 s to a new group, 3 s of restore, 1 s to its
+    # first step; 6..9 advanced this time, then the final save.
+    assert restart.seconds["detect"] == pytest.approx(7.5)
+    assert restart.seconds["reschedule"] == pytest.approx(3.0)
+    assert restart.seconds["restore"] == pytest.approx(3.0)
+    assert restart.seconds["first_step"] == pytest.approx(1.0)
+    assert restart.seconds["checkpoint"] == 0.5
+    totals = run.seconds
+    assert totals["training"] == pytest.approx(10 * 0.9) and totals["data_wait"] == pytest.approx(10 * 0.1)
+    assert run.goodput == pytest.approx(9.0 / 41.5)
+    assert totals["other"] == pytest.approx(0.0, abs=1e-9)
+    assert set(totals) == set(CAUSES)
+
+
+def test_the_report_and_status_show_the_ledger(tmp_path):
+    records = synthetic_log()
+    cfg = TrainConfig(depth=2, aspect_ratio=32, head_dim=32, max_seq_len=64, num_iterations=10,
+                      total_batch_size=512, device_batch_size=4)
+    plan = resolve_plan(cfg, vocab_size=512, world_size=1).to_json()
+    for record in records:
+        if record["kind"] == "step":
+            record.update(loss=3.0, raw_loss=3.0, lrm=1.0, tokens_per_sec=512.0, mfu=None, total_time_s=1.0,
+                          num_iterations=10, world_size=1, tokens_so_far=512, flops_so_far=5e8)
+        if record["kind"] == "start":
+            record.update(plan=plan, world_size=1, peak_flops_source="none", device="cpu")
+    run = Storage(str(tmp_path / "r"))
+    run.write_bytes(METRICS_FILE, "".join(json.dumps(r) + "\n" for r in records).encode())
+    assert len(parse_records(run.read_text(METRICS_FILE))) == len(records)
+    report = build_report(run)
+    assert "goodput 21.7%" in report.summary() and "restart at step 6: detect 7.5s" in report.summary()
+    bars = report.figures["time.png"].axes[0]
+    labels = [t.get_text() for t in bars.get_yticklabels()]
+    assert labels[0] == "run: goodput 21.7%" and labels[2] == "2. restart at step 6: 18.9%"
+    assert {p.get_label() for p in bars.containers} >= {"training", "redone", "detect", "restore"}
+    status = storage_lines(run)
+    assert any(line.startswith("  goodput 21.7%") for line in status), status

@@ -1,0 +1,274 @@
+"""One writer per run, by construction: lease epochs created atomically (local disk and a real S3 API,
+with one driver's requests slowed by the fault proxy), a paused holder that stops once it wakes, the
+fence that keeps a superseded writer's saves and prunes off the run, and a lineage that no rewind,
+damage or unreadable record can reorder (a property test)."""
+
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import s3_uri
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bench.lease_race import race, run_trials
+from bench.s3_fault_proxy import S3FaultProxy
+from raychat.checkpoint import fence
+from raychat.checkpoint.fence import Fence, LeaseLost
+from raychat.checkpoint.format import (
+    MANIFEST_FILE,
+    META_FILE,
+    branch,
+    checkpoint_dir_name,
+    damage,
+    highest_sequence,
+    latest_valid_checkpoint,
+    read_meta,
+)
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.resume import candidates
+from raychat.checkpoint.saver import CheckpointSaver
+from raychat.checkpoint.sharded import Piece, save_checkpoint
+from raychat.common import RaychatError
+from raychat.run.lease import STALE_AFTER_BEATS, RunLease
+from raychat.storage import Storage
+
+QUIET = lambda _: None  # noqa: E731
+
+
+def _pieces(step: int) -> list[Piece]:
+    weights = torch.full((4,), float(step))
+    return [Piece("model/w", (4,), 0, weights)]
+
+
+def _save(saver: CheckpointSaver, step: int, session: str = "s") -> None:
+    meta = CheckpointMeta(step=step, model_config={}, session=session)
+    saver.save(step, _pieces(step), f"token{step}", meta, extra={}, wait=True)
+
+
+def test_racing_drivers_on_local_disk_exactly_one_trains(tmp_path):
+    for trial in range(12):
+        run = Storage(str(tmp_path / f"run{trial}"))
+        outcomes = race([run] * (2 + trial % 3), random.Random(trial))
+        assert outcomes.count("won") == 1, (trial, outcomes)
+        assert fence.epochs(run) == [1]
+        for lost in (o for o in outcomes if o != "won"):
+            assert "another driver" in lost and "--run-name" in lost and "\n" not in lost
+
+
+def test_racing_drivers_on_s3_exactly_one_trains_whoever_is_slower(s3_endpoint):
+    """The old lease let both drivers in when one PUT was 1.3 s slower than the other. Now each
+    trial races direct drivers against ones behind the fault proxy, whose lease PUTs are delayed."""
+    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+        for trial in range(4):
+            rng = random.Random(trial)
+            prefix = f"race-{trial}-{time.time_ns()}"
+            direct = Storage(s3_uri(s3_endpoint, prefix)).child("run")
+            slowed = Storage(s3_uri(proxy.address, prefix)).child("run")
+            delay = proxy.inject("delay", method="PUT", match="/lease/", delay_s=rng.choice([0.3, 1.3]))
+            outcomes = race([slowed, direct], rng)
+            delay.ended.set()
+            assert outcomes.count("won") == 1, (trial, outcomes)
+            assert fence.epochs(direct) == [1], trial  # one epoch was ever created
+    assert run_trials("s3", trials=3, seed=1)["double_writers"] == 0  # the bench's own count agrees
+
+
+HOLDER = """
+import os, sys, time
+from raychat.storage import Storage
+from raychat.run.lease import RunLease
+def lost(message):
+    print("lost: " + message, flush=True)
+    os._exit(3)
+RunLease(Storage(sys.argv[1]), heartbeat_s=float(sys.argv[2]), on_lost=lost).acquire(floor=lambda: 0)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_paused_holder_is_taken_over_and_stops_once_it_wakes(tmp_path):
+    """SIGSTOP past the takeover (a long GC, a partition): the run passes to the next epoch, and the
+    old holder, resumed, sees it at its next heartbeat and stops with a line naming the new one."""
+    run = Storage(str(tmp_path / "run"))
+    beat = 0.3
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, run.location, str(beat)], stdout=subprocess.PIPE,
+                              text=True)
+    taker = RunLease(run, heartbeat_s=beat)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RaychatError, match="being trained by another driver"):
+            RunLease(run, heartbeat_s=beat).acquire(floor=lambda: 0, log=QUIET)  # alive: refused
+        os.kill(holder.pid, signal.SIGSTOP)
+        said = []
+        taker.acquire(floor=lambda: 0, log=said.append)  # silent for STALE_AFTER_BEATS beats: taken over
+        assert any("stale" in line for line in said) and taker.epoch == 2
+        time.sleep(beat * STALE_AFTER_BEATS)  # the taker beats while the old holder sleeps
+        woke = time.monotonic()
+        os.kill(holder.pid, signal.SIGCONT)
+        ready, _, _ = select.select([holder.stdout], [], [], 30)
+        line = holder.stdout.readline() if ready else "(still running 30 s after waking)"
+        stopped_after = time.monotonic() - woke
+        assert holder.wait(timeout=30) == 3
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        taker.release()
+    assert line.startswith("lost: ") and "lease epoch 2" in line and f"pid {os.getpid()}" in line
+    # Within about one heartbeat of waking (generous for a loaded machine: the bound is the beat).
+    assert stopped_after < 5 * beat + 2.0, stopped_after
+
+
+def test_a_lease_record_that_cannot_be_read_is_never_free(tmp_path, s3_endpoint):
+    run = Storage(str(tmp_path / "run"))
+    fence.lease_dir(run).make_dir()
+    fence.lease_dir(run).write_bytes(fence.epoch_file(1), b"")  # not written by raychat
+    with pytest.raises(RaychatError, match=r"lease record .*epoch_00000001.json is damaged"):
+        RunLease(run, heartbeat_s=0.05).acquire(floor=lambda: 0, log=QUIET)
+    assert fence.epochs(run) == [1]
+
+    # Reads that fail for a while (500s) are retried: the live holder is still seen, not "free".
+    with S3FaultProxy(s3_endpoint, seed=1) as proxy:
+        prefix = f"unreadable-{time.time_ns()}"
+        holder = RunLease(Storage(s3_uri(s3_endpoint, prefix)).child("run"), heartbeat_s=0.2)
+        holder.acquire(floor=lambda: 0, log=QUIET)
+        try:
+            proxy.inject("error500", method="GET", match="/lease/", count=4)
+            with pytest.raises(RaychatError, match="being trained by another driver"):
+                RunLease(Storage(s3_uri(proxy.address, prefix)).child("run"), heartbeat_s=0.2).acquire(
+                    floor=lambda: 0, log=QUIET)
+            assert proxy.injected["error500"] == 4
+        finally:
+            holder.release()
+
+
+def test_a_superseded_writer_writes_nothing_and_what_slipped_through_is_never_chosen(storage):
+    """Epoch 1 saves 10, 20, 30; epoch 2 takes the run over at 30. Epoch 1's next save is fenced
+    (no manifest, no prune), and a checkpoint of epoch 1 that completed anyway (its check passed
+    just before the takeover) is never chosen and is pruned by the new writer."""
+    run = Storage(storage).child("run")
+    first = RunLease(run, heartbeat_s=0.05)
+    first.acquire(floor=lambda: 0, log=QUIET)
+    first.record_resume(0)
+    old = CheckpointSaver(run, keep=0, rank=0, world_size=1, log=QUIET, fence=Fence(run, first.epoch))
+    for step in (10, 20, 30):
+        _save(old, step, session="old")
+    first.release()  # (a killed or paused holder is taken over the same way, after its silence)
+
+    second = RunLease(run, heartbeat_s=0.05)
+    second.acquire(floor=lambda: highest_sequence(run), log=QUIET)
+    chosen = latest_valid_checkpoint(run)
+    assert chosen.name == "checkpoint_000030"
+    second.record_resume(read_meta(chosen).sequence)
+
+    with pytest.raises(LeaseLost, match="lease epoch 2"):
+        _save(old, 40, session="old")
+    assert damage(run.child("checkpoint_000040")) is not None  # never closed: no manifest
+    assert [c.name for c in branch(run)] == ["checkpoint_000030", "checkpoint_000020", "checkpoint_000010"]
+
+    # The late checkpoint: epoch 1's, numbered after the takeover's resume point, whole on storage.
+    late = CheckpointMeta(step=50, model_config={}, session="old", sequence=4, parent="checkpoint_000030",
+                          lease_epoch=1)
+    save_checkpoint(run.child("checkpoint_000050"), {"w": torch.zeros(4)}, None, late.to_json())
+    assert damage(run.child("checkpoint_000050")) is None
+    assert latest_valid_checkpoint(run).name == "checkpoint_000030"
+    assert candidates(run, "old", "checkpoint_000030")[0] == "checkpoint_000030"
+
+    new = CheckpointSaver(run, keep=2, rank=0, world_size=1, log=QUIET, fence=Fence(run, second.epoch),
+                          parent=read_meta(chosen), parent_name=chosen.name)
+    _save(new, 40, session="new")
+    second.release()
+    assert sorted(run.subdirs()) == ["checkpoint_000030", "checkpoint_000040", "lease"]
+    latest = latest_valid_checkpoint(run)
+    assert latest.name == "checkpoint_000040" and read_meta(latest).lease_epoch == 2
+    assert read_meta(latest).sequence == 5  # numbered above everything, the late one included
+
+
+# -----------------------------------------------------------------------------
+# Lineage: random saves, rewinds, damage and unreadable records
+
+
+@st.composite
+def histories(draw):
+    keep = draw(st.integers(0, 3))
+    ops = draw(st.lists(st.one_of(
+        st.just(("save",)),
+        st.tuples(st.just("rewind"), st.integers(0, 50)),
+        st.tuples(st.just("damage"), st.integers(0, 50)),
+        st.tuples(st.just("unreadable"), st.integers(0, 50)),
+    ), min_size=1, max_size=12))
+    return keep, ops
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(history=histories())
+def test_lineage_survives_rewinds_damage_and_unreadable_records(tmp_path_factory, history):
+    """Whatever happens, the newest readable whole checkpoint of the current branch survives every
+    prune, "latest" is that checkpoint, a record that cannot be read is never deleted, and nothing
+    of an abandoned branch is ever chosen."""
+    keep, ops = history
+    run = Storage(str(tmp_path_factory.mktemp("lineage") / "run"))
+    model: list[str] = []  # the current branch, oldest first, as the operations made it
+    broken: set[str] = set()  # members whose manifest or record was damaged
+    unreadable: set[str] = set()
+    abandoned: set[str] = set()
+    lease = RunLease(run, heartbeat_s=60)
+    lease.acquire(floor=lambda: 0, log=QUIET)
+    lease.record_resume(0)
+    saver = CheckpointSaver(run, keep=keep, rank=0, world_size=1, log=QUIET, fence=Fence(run, lease.epoch))
+    step = 0
+    for op in ops:
+        existing = [name for name in model if run.exists(name)]
+        if op[0] == "save":
+            step += 1
+            _save(saver, step)
+            model.append(checkpoint_dir_name(step))
+        elif op[0] == "rewind":
+            whole = [n for n in existing if n not in broken | unreadable]
+            if not whole:
+                continue
+            chosen = whole[op[1] % len(whole)]
+            lease.release()
+            lease = RunLease(run, heartbeat_s=60)
+            lease.acquire(floor=lambda: highest_sequence(run), log=QUIET)
+            lease.record_resume(read_meta(run.child(chosen)).sequence)
+            cut = model.index(chosen) + 1
+            abandoned |= set(model[cut:])
+            model = model[:cut]
+            saver = CheckpointSaver(run, keep=keep, rank=0, world_size=1, log=QUIET,
+                                    fence=Fence(run, lease.epoch), parent=read_meta(run.child(chosen)),
+                                    parent_name=chosen)
+        elif existing:
+            victim = existing[op[1] % len(existing)]
+            if op[0] == "damage":
+                run.child(victim).delete(MANIFEST_FILE)
+                broken.add(victim)
+            else:
+                run.child(victim).write_bytes(META_FILE, b"{not json")
+                unreadable.add(victim)
+
+        whole = [n for n in model if run.exists(n) and n not in broken | unreadable]
+        latest = latest_valid_checkpoint(run, log=QUIET)
+        assert (latest.name if latest else None) == (whole[-1] if whole else None), (op, model)
+        assert all(run.exists(name) for name in unreadable)  # never pruned on a guess
+        assert not abandoned & {c.name for c in branch(run, log=QUIET)}
+    lease.release()
+
+
+def test_the_checkpoint_a_run_resumed_from_is_never_written_again(tmp_path):
+    """An attempt restarted after the final save starts at the last step: that step's checkpoint
+    exists, and rewriting it would leave no final checkpoint if a second fault came mid-write."""
+    run = Storage(str(tmp_path / "run"))
+    first = CheckpointSaver(run, keep=0, rank=0, world_size=1, log=QUIET)
+    _save(first, 5)
+    assert first.already_saved(5) and not first.already_saved(6)
+    final = run.child("checkpoint_000005")
+    restarted = CheckpointSaver(run, keep=0, rank=0, world_size=1, log=QUIET, parent=read_meta(final),
+                                parent_name=final.name)
+    assert restarted.already_saved(5) and not restarted.already_saved(10)
