@@ -265,9 +265,26 @@ def add_config_flags(parser: argparse.ArgumentParser, only: set[str] | None = No
         groups[f.metadata["group"]].add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
+def flag_table() -> str:
+    """The Markdown table of every flag (docs/flags.md holds it; tests/test_cli.py checks it is this)."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(TrainConfig):
+        default = "(empty)" if f.default == "" else f"`{f.default!r}`"
+        rows.append(f"| `--{f.name.replace('_', '-')}` | {default} | {f.metadata['help']} |")
+    return "\n".join(rows) + "\n"
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from parsed flags: defaults, then the preset, then the flags given."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     values: dict[str, Any] = dict(PRESETS.get(given.get("preset", ""), {}))
     values.update(given)
     return TrainConfig(**values)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m raychat.config",
+                                     description="Print the Markdown table of raychat's training flags "
+                                                 "(what docs/flags.md holds), generated from TrainConfig.")
+    parser.parse_args()
+    print(flag_table(), end="")
