@@ -41,13 +41,17 @@ _TRANSIENT_TEXT = re.compile(
     r"|curlcode: (6|7|18|28|52|55|56)\b"
     r"|\b(unavailable|deadline_exceeded|resource_exhausted)\b"
     r"|slowdown|slow down|reduce your request rate|throttl"
-    r"|connection (reset|refused|aborted|closed)|broken pipe|timed out|timeout was reached|stalled",
+    r"|connection (reset|refused|aborted|closed)|broken pipe|timed out|timeout was reached|stalled"
+    # A temporary credential that lapsed while its refresh lags: the next try signs with the new one.
+    r"|expired_?token|token.{0,20}expired|request_?expired",
     re.IGNORECASE)
+
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 
 # Words that mark a fault no retry heals, even when its message also says something transient-looking.
 _PERMANENT_TEXT = re.compile(
-    r"access ?denied|access_denied|forbidden|http (status|response code):? 40[34]|no_?such_?bucket"
-    r"|no such bucket|invalidaccesskeyid|signaturedoesnotmatch|no space left|quota exceeded",
+    r"access ?denied|access_denied|permission_denied|forbidden|http (status|response code):? 40[34]"
+    r"|no_?such_?bucket|no such bucket|invalidaccesskeyid|signaturedoesnotmatch|no space left|quota exceeded",
     re.IGNORECASE)
 
 
@@ -85,7 +89,9 @@ def is_transient(error: BaseException) -> bool:
     if isinstance(error, pa.ArrowInvalid):   # bytes that arrived whole but do not parse: damage
         return False
     if isinstance(error, (OSError, pa.ArrowException)):
-        text = str(error)
+        # Quoted names (keys, buckets, paths) are the user's words, not the error's: a key named
+        # 'runs/throttle-test' must not make a 400 look like throttling.
+        text = _QUOTED.sub("''", str(error))
         return not _PERMANENT_TEXT.search(text) and bool(_TRANSIENT_TEXT.search(text))
     return False
 

@@ -8,6 +8,7 @@ URI's path, never appended after its `?query` and never through `pathlib` (which
 `s3:/`).
 """
 
+import errno
 import os
 import re
 import uuid
@@ -20,7 +21,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raychat.common import RaychatError, check_name, default_storage_path
+from raychat.common import RaychatError, StorageUnavailable, check_name, default_storage_path
 
 
 def is_uri(location: str) -> bool:
@@ -227,6 +228,13 @@ class Storage:
                 return True
             except FileExistsError:
                 return False
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                raise RaychatError(
+                    f"{self} is on a filesystem without hard links (a FUSE mount of a bucket, some SMB "
+                    "shares): raychat cannot take the run's lease there atomically; use the bucket itself "
+                    "(s3://...) or a local disk or NFS path") from None
             finally:
                 os.unlink(tmp)
         bucket, key = self._bucket_key(name)
@@ -297,14 +305,20 @@ class Storage:
 
         probe = f".raychat_write_test_{uuid.uuid4().hex}"
         try:
-            retry_transient(lambda: self.write_bytes(probe, b"ok"), f"writing a probe file in {self}")
-            retry_transient(lambda: self.delete(probe), f"deleting the probe file in {self}")
-        except (OSError, pa.ArrowException) as e:
-            raise RaychatError(f"{flag} {self} is not writable: {self.location.scrub(_storage_reason(e))}"
+            # A short budget: before any worker starts, a typo in the endpoint must cost seconds,
+            # while a moment of throttling is still ridden out.
+            retry_transient(lambda: self.write_bytes(probe, b"ok"), f"writing a probe file in {self}",
+                            budget_s=PROBE_BUDGET_S)
+            retry_transient(lambda: self.delete(probe), f"deleting the probe file in {self}",
+                            budget_s=PROBE_BUDGET_S)
+        except (OSError, pa.ArrowException, StorageUnavailable) as e:
+            cause = e.__cause__ if isinstance(e, StorageUnavailable) and e.__cause__ is not None else e
+            raise RaychatError(f"{flag} {self} is not writable: {self.location.scrub(_storage_reason(cause))}"
                                ) from None
 
 
 Location = str | Path | Storage
+PROBE_BUDGET_S = 20.0  # how long the pre-flight write probe rides out transient faults
 
 
 def botocore_errors():

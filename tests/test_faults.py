@@ -289,3 +289,14 @@ def test_checkpoint_reads_and_writes_sort_their_faults(proxy, direct_client, s3_
     assert type(failed_write(reset)) is StorageUnavailable
     refused = failed_write(PermissionError(13, "Permission denied"))
     assert isinstance(refused, RaychatError) and "check free space and permissions" in str(refused)
+
+
+def test_words_in_keys_do_not_classify_and_an_expired_token_is_ridden_out():
+    """The reviewer's cases: a permanent 400 on a key named like a fault is not retried for minutes;
+    GCS's PERMISSION_DENIED is the user's; a lapsed temporary credential is transient."""
+    assert not is_transient(OSError("When reading information for key 'runs/throttle-test/x' in bucket 'b': "
+                                    "AWS Error UNKNOWN (HTTP status 400) during HeadObject operation"))
+    assert not is_transient(OSError("When reading 'runs/stalled/x': (HTTP status 400)"))
+    assert not is_transient(OSError("PERMISSION_DENIED: bucket unavailable to caller"))
+    assert is_transient(OSError("AWS Error EXPIRED_TOKEN during GetObject operation: The provided token has "
+                                "expired."))

@@ -53,7 +53,7 @@ def _save(saver: CheckpointSaver, step: int, session: str = "s") -> None:
 
 
 def test_racing_drivers_on_local_disk_exactly_one_trains(tmp_path):
-    for trial in range(12):
+    for trial in range(6):
         run = Storage(str(tmp_path / f"run{trial}"))
         outcomes = race([run] * (2 + trial % 3), random.Random(trial))
         assert outcomes.count("won") == 1, (trial, outcomes)
@@ -272,3 +272,19 @@ def test_the_checkpoint_a_run_resumed_from_is_never_written_again(tmp_path):
     restarted = CheckpointSaver(run, keep=0, rank=0, world_size=1, log=QUIET, parent=read_meta(final),
                                 parent_name=final.name)
     assert restarted.already_saved(5) and not restarted.already_saved(10)
+
+
+def test_a_run_from_before_leases_never_falls_back_onto_its_abandoned_branch(tmp_path):
+    """Written by raychat before lease epochs: 10 -> 20 -> 30, then rewound to 10 -> 15 -> 25. With
+    25 incomplete and 15's record torn, the fallback goes below 15's step (to 10), not to 30."""
+    run = Storage(str(tmp_path / "run"))
+    history = [(10, 1, None), (20, 2, "checkpoint_000010"), (30, 3, "checkpoint_000020"),
+               (15, 4, "checkpoint_000010"), (25, 5, "checkpoint_000015")]
+    for step, sequence, parent in history:
+        meta = CheckpointMeta(step=step, model_config={}, sequence=sequence, parent=parent)
+        save_checkpoint(run.child(checkpoint_dir_name(step)), {"w": torch.full((4,), float(step))}, None,
+                        meta.to_json())
+    run.child("checkpoint_000015").write_bytes(META_FILE, b"{torn")
+    run.child("checkpoint_000025").delete(MANIFEST_FILE)
+    assert [c.name for c in branch(run, log=QUIET)] == ["checkpoint_000025", "checkpoint_000010"]
+    assert latest_valid_checkpoint(run, log=QUIET).name == "checkpoint_000010"

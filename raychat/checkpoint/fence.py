@@ -112,9 +112,12 @@ def create_record(run: Storage, record: LeaseRecord) -> bool:
                            f"creating {directory.child(name)}")
 
 
-def replace_record(run: Storage, record: LeaseRecord) -> None:
-    """The holder's own update of its epoch's file (heartbeat, resume point, release)."""
-    lease_dir(run).replace_atomically(epoch_file(record.epoch), record.to_json())
+def replace_record(run: Storage, record: LeaseRecord, budget_s: float | None = None) -> None:
+    """The holder's own update of its epoch's file (heartbeat, resume point, release), retried
+    within `budget_s` (the heartbeat's own beat; the default budget elsewhere)."""
+    directory = lease_dir(run)
+    retry_transient(lambda: directory.replace_atomically(epoch_file(record.epoch), record.to_json()),
+                    f"writing {directory.child(epoch_file(record.epoch))}", budget_s=budget_s)
 
 
 def superseded(leases: list[LeaseRecord]) -> Callable[[int, int], bool]:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from raychat.checkpoint import fence
-from raychat.checkpoint.fence import superseded
+from raychat.checkpoint.fence import Fence, superseded
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.shardfile import CheckpointDamaged
 from raychat.common import RaychatError
@@ -96,11 +96,19 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_file(directory: Storage, name: str, write: Callable[[Any], None]) -> dict:
+def write_file(directory: Storage, name: str, write: Callable[[Any], None],
+               fence: Fence | None = None) -> dict:
     """Write one file and return its manifest entry. Local disk: temporary name, fsync, rename.
     A transient storage fault rewrites the whole file (`write` writes from the save's host
-    snapshot, so it can run again); past the retry budget the attempt fails (raychat.faults)."""
-    return retry_transient(lambda: _write_file_once(directory, name, write), f"writing {directory}/{name}")
+    snapshot, so it can run again); past the retry budget the attempt fails (raychat.faults).
+    With `fence`, every try first checks that this writer still holds the run: a write that
+    stalled past a takeover is not retried over the new writer's files."""
+    def attempt() -> dict:
+        if fence is not None:
+            fence.check()
+        return _write_file_once(directory, name, write)
+
+    return retry_transient(attempt, f"writing {directory}/{name}")
 
 
 def _write_file_once(directory: Storage, name: str, write: Callable[[Any], None]) -> dict:
@@ -120,10 +128,11 @@ def _write_file_once(directory: Storage, name: str, write: Callable[[Any], None]
     return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
 
 
-def write_manifest(directory: Storage, world: int, files: dict[str, dict]) -> None:
+def write_manifest(directory: Storage, world: int, files: dict[str, dict],
+                   fence: Fence | None = None) -> None:
     """The last write of a save: from now on the directory is a checkpoint."""
     manifest = (json.dumps({"format": FORMAT, "world_size": world, "files": files}, indent=2) + "\n").encode()
-    write_file(directory, MANIFEST_FILE, lambda f: f.write(manifest))
+    write_file(directory, MANIFEST_FILE, lambda f: f.write(manifest), fence)
     if directory.is_local:
         fsync_dir(directory.root)
 
@@ -195,7 +204,7 @@ def damage(directory: Location, deep: bool = False) -> str | None:
     """
     directory = Storage.of(directory)
     try:
-        if not directory.is_dir():
+        if not retry_transient(directory.is_dir, f"reading {directory}"):
             return "no such directory"
         files = read_manifest(directory)
         _check_sizes(directory, files)
@@ -210,7 +219,8 @@ def damage(directory: Location, deep: bool = False) -> str | None:
 def read_meta(directory: Location) -> CheckpointMeta:
     """A checkpoint's meta.json, read without verifying the tensors."""
     directory = Storage.of(directory)
-    return CheckpointMeta.from_json(directory.read_bytes(META_FILE), where=directory.path(META_FILE))
+    data = retry_transient(lambda: directory.read_bytes(META_FILE), f"reading {directory}/{META_FILE}")
+    return CheckpointMeta.from_json(data, where=directory.path(META_FILE))
 
 
 def _warn(message: str) -> None:
@@ -248,10 +258,14 @@ def _read_meta_or_none(directory: Storage, log: Callable[[str], None]) -> Checkp
         return None
 
 
+def _subdirs(run: Storage) -> list[str]:
+    return retry_transient(run.subdirs, f"listing {run}")
+
+
 def highest_sequence(run_dir: Location) -> int:
     """The highest lineage sequence of any checkpoint of the run with a readable record (0: none)."""
     run = Storage.of(run_dir)
-    metas = (_read_meta_or_none(run.child(name), log=lambda _: None) for name in run.subdirs()
+    metas = (_read_meta_or_none(run.child(name), log=lambda _: None) for name in _subdirs(run)
              if _step_of(name) is not None)
     return max((meta.sequence for meta in metas if meta is not None), default=0)
 
@@ -261,7 +275,7 @@ def _scan(run: Storage, log: Callable[[str], None]) -> list[tuple[Storage, Check
     branch (raychat.checkpoint.fence), oldest first: by lineage sequence, then (for checkpoints
     without one) by when they were written, then by step."""
     keyed = []
-    for name in run.subdirs():
+    for name in _subdirs(run):
         step = _step_of(name)
         if step is None:
             continue
@@ -280,7 +294,7 @@ def superseded_checkpoints(run_dir: Location) -> list[Storage]:
     current = {d.name for d, _ in _scan(run, log=lambda _: None)}
     is_superseded = superseded(fence.records(run))
     left = []
-    for name in run.subdirs():
+    for name in _subdirs(run):
         if _step_of(name) is None or name in current:
             continue
         meta = _read_meta_or_none(run.child(name), log=lambda _: None)
@@ -303,7 +317,7 @@ def branch(run_dir: Location, log: Callable[[str], None] = _warn) -> list[Storag
     listed = _scan(run, log)
     if not listed:
         return []
-    present = set(run.subdirs())
+    present = set(_subdirs(run))
     by_name = {directory.name: i for i, (directory, _) in enumerate(listed)}
     chain: list[Storage] = []
     position: int | None = len(listed) - 1
@@ -312,9 +326,14 @@ def branch(run_dir: Location, log: Callable[[str], None] = _warn) -> list[Storag
         chain.append(directory)
         if meta.parent in by_name:
             position = by_name[meta.parent]
-        elif meta.parent in present or (meta.parent is None and meta.sequence == 0):
-            # A parent whose record cannot be read (or no lineage recorded, before raychat kept
-            # one): the next older checkpoint that may be chosen is the best that is known.
+        elif meta.parent in present:
+            # A parent whose record cannot be read: its ancestors lie at lower steps (the step is in
+            # the name), so the chain goes on with the newest listed checkpoint below it; a newer
+            # one could be an abandoned branch that no lease marked (a run from before leases).
+            below = _step_of(meta.parent)
+            older = [i for i in range(position) if _step_of(listed[i][0].name) < below]
+            position = older[-1] if older else None
+        elif meta.parent is None and meta.sequence == 0:  # before raychat kept a lineage: list order
             position = position - 1 if position > 0 else None
         else:
             position = None  # the start of the lineage, or its older part already pruned

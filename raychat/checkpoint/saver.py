@@ -179,7 +179,7 @@ class CheckpointSaver:
         reads as incomplete before any rank writes into it again."""
         if self.rank == 0:
             self.poll(block=True)
-            prepare_overwrite(self.run.child(checkpoint_dir_name(step)))
+            prepare_overwrite(self.run.child(checkpoint_dir_name(step)), self.fence)
 
     def save(self, step: int, pieces: list[Piece], token: str, meta: CheckpointMeta | None = None,
              extra: dict | None = None, wait: bool = False) -> None:
@@ -196,15 +196,15 @@ class CheckpointSaver:
             meta_bytes = meta.to_json()  # now: a later change to the caller's objects is not saved
 
             def write(snapshot: list[Piece]) -> None:
-                write_rank(directory, rank, world, token, snapshot, extra)
-                self.fence.check()  # a superseded writer never closes a checkpoint
-                finish_checkpoint(directory, world, token, meta_bytes)
+                write_rank(directory, rank, world, token, snapshot, extra, self.fence)
+                # a superseded writer never closes a checkpoint (each write of it fenced)
+                finish_checkpoint(directory, world, token, meta_bytes, fence=self.fence)
                 self.fence.check()  # nor deletes one
                 protect = {directory.name, self.resumed_from}
                 prune_checkpoints(self.run, self.keep, log=self.log, protect=protect)
         else:
             def write(snapshot: list[Piece]) -> None:
-                write_rank(directory, rank, world, token, snapshot)
+                write_rank(directory, rank, world, token, snapshot, fence=self.fence)
         self.writer.submit(directory, pieces, write)
         self._pending_step = self.submitted_step = step
         if wait:

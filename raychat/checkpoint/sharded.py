@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from raychat.checkpoint.fence import Fence, LeaseLost
 from raychat.checkpoint.format import (
     INDEX_FILE,
     MANIFEST_FILE,
@@ -28,6 +29,7 @@ from raychat.checkpoint.format import (
     write_file,
     write_manifest,
 )
+from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.shardfile import dtype_name, write_tensors
 from raychat.common import RaychatError
 from raychat.storage import Storage
@@ -75,8 +77,9 @@ def model_ranges(shapes: dict[str, tuple[int, ...]], world: int, rank: int) -> l
 
 
 def write_rank(directory: Storage, rank: int, world: int, token: str, pieces: list[Piece],
-               extra: dict | None = None) -> None:
-    """This rank's file, then its marker (which says the file is whole)."""
+               extra: dict | None = None, fence: Fence | None = None) -> None:
+    """This rank's file, then its marker (which says the file is whole); with `fence`, each write
+    first checks that this rank's driver still holds the run (raychat.checkpoint.fence)."""
     name = rank_file(rank, world)
     tensors = [(piece.key, piece.tensor.reshape(-1) if piece.key != piece.name else piece.tensor)
                for piece in pieces]
@@ -85,12 +88,12 @@ def write_rank(directory: Storage, rank: int, world: int, token: str, pieces: li
     def write(f) -> None:
         header["sha256"] = write_tensors(f, tensors)
 
-    entry = write_file(directory, name, write)
+    entry = write_file(directory, name, write, fence)
     described = [{"name": p.name, "shape": list(p.shape), "dtype": dtype_name(p.tensor.dtype),
                   "start": p.start, "numel": p.tensor.numel(), "key": p.key} for p in pieces]
     marker = {"token": token, "file": name, **entry, "header_sha256": header["sha256"], "pieces": described,
               "extra": extra}
-    write_file(directory, marker_name(rank), lambda f: f.write(json.dumps(marker).encode()))
+    write_file(directory, marker_name(rank), lambda f: f.write(json.dumps(marker).encode()), fence)
 
 
 def _wait_for_markers(directory: Storage, world: int, token: str, timeout_s: float) -> list[dict]:
@@ -127,16 +130,18 @@ def build_index(markers: list[dict]) -> dict:
 
 
 def finish_checkpoint(directory: Storage, world: int, token: str, meta_bytes: bytes,
-                      timeout_s: float = MARKER_WAIT_S) -> None:
-    """Rank 0, after its own file: wait for every rank's, then index, meta and the manifest."""
+                      timeout_s: float = MARKER_WAIT_S, fence: Fence | None = None) -> None:
+    """Rank 0, after its own file: wait for every rank's, then index, meta and the manifest (each
+    write fenced, and never over a newer epoch's checkpoint: `refuse_newer`)."""
     markers = _wait_for_markers(directory, world, token, timeout_s)
+    refuse_newer(directory, fence)
     index = (json.dumps(build_index(markers)) + "\n").encode()
     files = {m["file"]: {"bytes": m["bytes"], "sha256": m["sha256"]} for m in markers}
-    files[INDEX_FILE] = write_file(directory, INDEX_FILE, lambda f: f.write(index))
-    files[META_FILE] = write_file(directory, META_FILE, lambda f: f.write(meta_bytes))
+    files[INDEX_FILE] = write_file(directory, INDEX_FILE, lambda f: f.write(index), fence)
+    files[META_FILE] = write_file(directory, META_FILE, lambda f: f.write(meta_bytes), fence)
     if directory.is_local:
         fsync_dir(directory.root)  # every rename is durable before the manifest claims the files
-    write_manifest(directory, world, files)
+    write_manifest(directory, world, files, fence)
     for rank in range(world):  # the index holds what the markers said
         directory.delete(marker_name(rank))
 
@@ -174,9 +179,25 @@ def save_checkpoint(directory: Storage | str, model_state: dict[str, torch.Tenso
     save_pieces(Storage.of(directory), pieces, extra, meta_bytes)
 
 
-def prepare_overwrite(directory: Storage) -> None:
+def refuse_newer(directory: Storage, fence: Fence | None) -> None:
+    """LeaseLost if `directory` holds a checkpoint of a newer lease epoch than `fence`'s: a writer
+    that was superseded while it waited never touches what its successor wrote at the same step."""
+    if fence is None or fence.epoch <= 0:
+        return
+    try:
+        theirs = CheckpointMeta.from_json(directory.read_bytes(META_FILE)).lease_epoch
+    except (OSError, RaychatError):  # none yet (or not readable): the fence check decides
+        theirs = 0
+    if theirs > fence.epoch:
+        raise LeaseLost(f"{directory} was written by a newer driver (lease epoch {theirs}, this writer's "
+                        f"{fence.epoch}): this writer stopped and wrote nothing more")
+    fence.check()
+
+
+def prepare_overwrite(directory: Storage, fence: Fence | None = None) -> None:
     """Before any rank writes into `directory` again (a step saved twice), its manifest goes, so
-    it reads as incomplete until the new save is whole."""
+    it reads as incomplete until the new save is whole; never a newer epoch's (`refuse_newer`)."""
+    refuse_newer(directory, fence)
     if directory.exists(MANIFEST_FILE):
         directory.delete(MANIFEST_FILE)
         if directory.is_local:

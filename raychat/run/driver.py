@@ -441,7 +441,7 @@ def fit_run(run: PreparedRun, callbacks: list | None = None) -> dict:
     if user_error is not None:
         raise user_error
     stop = read_stop_note(run.cfg.storage_path, run.cfg.name)
-    if stop is not None:
+    if stop is not None and stop.get("reason") == "nan" and stop.get("session") == run.session:
         raise RaychatError(f"loss or weights became NaN/inf at step {stop['step']}: training stopped; the "
                            f"last good checkpoint is kept in {run.run_dir} (lower the learning rates or "
                            "check the data, then re-run to resume)")

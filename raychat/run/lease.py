@@ -20,6 +20,7 @@ driver exits with one line naming the new holder.
 
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -139,7 +140,7 @@ class RunLease:
                     self._lose(newer)
                     return
                 self.record.beat += 1
-                fence.replace_record(self.run_dir, self.record)
+                fence.replace_record(self.run_dir, self.record, budget_s=self.heartbeat_s / 2)
                 failures = 0
             except (OSError, StorageUnavailable, RaychatError):
                 failures += 1  # a beat lost to storage: others see silence for as long
@@ -154,6 +155,15 @@ class RunLease:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        if self.lost is None and fence.Fence(self.run_dir, self.epoch).newer() is None:
-            self.record.released = True
-            fence.replace_record(self.run_dir, self.record)
+        # Best effort, briefly: it runs in `finally` after training, and must neither hide the
+        # error that ended the run nor hang its exit on a dead endpoint. An unreleased lease is
+        # taken over after STALE_AFTER_BEATS silent beats anyway.
+        budget = 2 * self.heartbeat_s
+        try:
+            if self.lost is None and fence.Fence(self.run_dir, self.epoch, budget_s=budget).newer() is None:
+                self.record.released = True
+                fence.replace_record(self.run_dir, self.record, budget_s=budget)
+        except (OSError, StorageUnavailable, RaychatError) as e:
+            wait = STALE_AFTER_BEATS * self.heartbeat_s
+            print(f"raychat: warning: could not release the lease on {self.run_dir} ({e}); the next driver "
+                  f"takes it over after {wait:.0f} s", file=sys.stderr, flush=True)

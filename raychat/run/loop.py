@@ -24,7 +24,7 @@ import ray.train
 import torch
 
 import raychat
-from raychat.checkpoint.fence import LeaseLost
+from raychat.checkpoint.fence import Fence, LeaseLost
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.stop_note import read_stop_note, write_stop_note
 from raychat.common import RaychatError
@@ -41,6 +41,7 @@ from raychat.run.evaluate import SAMPLE_PROMPTS, evaluate_bpb
 from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
 from raychat.run.step import train_step
 from raychat.run.worker_setup import LoopState, Worker, all_gather_objects, setup
+from raychat.storage import Storage
 
 PLANNED_RESIZE_WAIT_S = 120.0  # after a planned-resize save, how long to wait for Ray to restart the group
 
@@ -141,8 +142,9 @@ def stop_on_nan(w: Worker, what: str, step: int) -> None:
     holds the state from before: finish it, so the last good checkpoint is whole."""
     w.saver.finish()
     w.log(f"{what} at step {step}: stopping")
-    if w.master:
-        write_stop_note(w.storage_path, w.cfg.name, {"reason": "nan", "step": step})
+    # A superseded group's note would stop the new driver's run: only the run's writer leaves one.
+    if w.master and w.saver.fence.newer() is None:
+        write_stop_note(w.storage_path, w.cfg.name, {"reason": "nan", "step": step, "session": w.session})
 
 
 def save_on_request(w: Worker, state: LoopState, signals: ElasticSignals) -> bool:
@@ -238,8 +240,10 @@ def train_loop_per_worker(config: dict) -> None:
         # once it runs again, says so in one line.
         print(f"raychat: {e}", flush=True)
     except RaychatError as e:
-        write_stop_note(cfg.storage_path, cfg.name,
-                        {"reason": "error", "session": config["session"], "message": str(e)})
+        run = Storage(cfg.storage_path).child(cfg.name)
+        if Fence(run, config.get("lease_epoch", 0)).newer() is None:  # only the run's writer leaves a note
+            write_stop_note(cfg.storage_path, cfg.name,
+                            {"reason": "error", "session": config["session"], "message": str(e)})
         raise
 
 
