@@ -23,7 +23,8 @@ import pyarrow as pa
 from raychat.common import RaychatError, StorageUnavailable
 
 T = TypeVar("T")
-__all__ = ["StorageUnavailable", "is_transient", "retry_transient", "retry_budget_s", "short_reason"]
+__all__ = ["StorageUnavailable", "is_missing", "is_transient", "retry_transient", "retry_budget_s",
+           "short_reason"]
 
 DEFAULT_BUDGET_S = 300.0       # minutes, not seconds: a throttled bucket or a restarting endpoint
 FIRST_DELAY_S = 0.5
@@ -94,6 +95,17 @@ def is_transient(error: BaseException) -> bool:
         text = _QUOTED.sub("''", str(error))
         return not _PERMANENT_TEXT.search(text) and bool(_TRANSIENT_TEXT.search(text))
     return False
+
+
+_MISSING_TEXT = re.compile(r"resource_not_found|nosuchkey|no such key|http (status|response code):? 404",
+                           re.IGNORECASE)
+
+
+def is_missing(error: BaseException) -> bool:
+    """Whether `error` says the file is not there: FileNotFoundError, or what an S3 client raises
+    when an object disappears between opening it and reading it (GetObject's RESOURCE_NOT_FOUND)."""
+    return isinstance(error, FileNotFoundError) or (
+        isinstance(error, OSError) and bool(_MISSING_TEXT.search(_QUOTED.sub("''", str(error)))))
 
 
 def short_reason(error: BaseException) -> str:

@@ -24,8 +24,9 @@ RAYCHAT_LINES = [re.compile(p) for p in (
     r"cluster's token: `ray get-auth-token` prints it\))?)?$",
     # each attempt: its one line, and on a restart what happened (raychat.run.elastic.describe_attempt)
     r"^(Starting at step 0 \(no checkpoint\)|Starting from nanochat's weights at step 0|Resumed from \S+ at "
-    r"step \d+ \(saved by \d+ workers\)): training to step \d+ at world size (?P<w>\d+) \((?P=w) worker\(s\) "
-    r"on \d+ node\(s\)\), \d+ rows/step on rank 0 in micro-batches \[[\d, ]+\], device \w+, \w+$",
+    r"step \d+ \(saved by \d+ workers, now \d+\)): training to step \d+ at world size (?P<w>\d+) "
+    r"\((?P=w) worker\(s\) on \d+ node\(s\)\), \d+ rows/step on rank 0 in micro-batches \[[\d, ]+\], "
+    r"device \w+, \w+$",
     r"^(Lost \d+ worker\(s\)|A worker failed|Preempted \(saved step \d+ on the notice\)): continuing on \d+ "
     r"from step \d+ \(.+\); \d+ steps redone$",
     r"^(Grew|Resized) to \d+ workers at step \d+ \(no steps redone\)$",

@@ -178,9 +178,14 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, ray_session, tiny_corpus, 
     # Only the failure redid steps: each step trained by more than one attempt lies before the grow.
     redone = sorted(s for s, attempts in attempts_by_step(trace).items() if len(attempts) > 1)
     assert len(redone) == final.loop_state["redone_steps"]
-    grow_attempt = max((a for attempts in attempts_by_step(trace).values() for a in attempts), key=float)
-    grow_steps = [s for s, attempts in attempts_by_step(trace).items() if grow_attempt in attempts]
-    assert not set(grow_steps) & set(redone), "the grow redid steps"
+    # The grow redoes nothing of the attempt it grew from (it may start below the failed attempt's
+    # last step when the shrunk attempt grew before catching up: those steps are the failure's).
+    by_step = attempts_by_step(trace)
+    attempt_ids = sorted({a for attempts in by_step.values() for a in attempts}, key=float)
+    shrunk_attempt, grow_attempt = attempt_ids[-2:]
+    grow_steps = {s for s, attempts in by_step.items() if grow_attempt in attempts}
+    shrunk_steps = {s for s, attempts in by_step.items() if shrunk_attempt in attempts}
+    assert not grow_steps & shrunk_steps, "the grow redid steps"
 
     # The dashboard's Prometheus export showed the run, and its world size change.
     assert {3.0, 2.0} <= gauges.get("ray_raychat_world_size", set()), gauges

@@ -23,7 +23,7 @@ from raychat.corpus import files
 from raychat.corpus.index import CorpusIndex, read_unit_texts
 from raychat.corpus.writer import CorpusWriter
 from raychat.data.loader import _raise_read_failure
-from raychat.faults import StorageUnavailable, is_transient, retry_transient
+from raychat.faults import StorageUnavailable, is_missing, is_transient, retry_transient
 from raychat.storage import Storage
 
 DOCS = [f"document {i}: " + "words " * (i % 7) for i in range(120)]
@@ -300,3 +300,11 @@ def test_words_in_keys_do_not_classify_and_an_expired_token_is_ridden_out():
     assert not is_transient(OSError("PERMISSION_DENIED: bucket unavailable to caller"))
     assert is_transient(OSError("AWS Error EXPIRED_TOKEN during GetObject operation: The provided token has "
                                 "expired."))
+
+
+def test_an_object_gone_between_open_and_read_is_missing_not_transient():
+    """What pyarrow raises when a shard is deleted after it was opened: GetObject's RESOURCE_NOT_FOUND."""
+    gone = OSError("When reading 's3://b/c/shard_00005.parquet': AWS Error RESOURCE_NOT_FOUND during "
+                   "GetObject operation:")
+    assert is_missing(gone) and not is_transient(gone)
+    assert not is_missing(OSError("When reading 'runs/no_such_key_here/x': AWS Error SLOW_DOWN"))

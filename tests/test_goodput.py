@@ -140,3 +140,15 @@ def test_the_report_and_status_show_the_ledger(tmp_path):
     assert {p.get_label() for p in bars.containers} >= {"training", "redone", "detect", "restore"}
     status = storage_lines(run)
     assert any(line.startswith("  goodput 21.7%") for line in status), status
+
+
+def test_a_restart_counts_unlogged_steps_as_redone_only_when_the_coordinator_saw_one():
+    """The coordinator's progress call follows each step's record: a few ms after the last record
+    for the same step is detection, not redone work; a step the log never got is redone."""
+    logged = synthetic_log()
+    same_step = [dict(r, last_progress=22.503, last_progress_step=9) if r.get("restarts") == 1 else r
+                 for r in logged]
+    assert ledger(same_step).attempts[1].seconds["redone"] == 0.0  # (6..9 count in the attempt that ran them)
+    unlogged = [dict(r, last_progress=23.5, last_progress_step=10) if r.get("restarts") == 1 else r
+                for r in logged]
+    assert ledger(unlogged).attempts[1].seconds["redone"] == pytest.approx(1.0)  # step 10's second

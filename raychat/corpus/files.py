@@ -22,7 +22,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raychat.common import RaychatError
-from raychat.faults import retry_transient
+from raychat.faults import is_missing, retry_transient
 from raychat.storage import Storage, join_uri
 
 TAIL_BYTES = 64 * 1024    # one range request fetches the footer of a shard of ClimbMix's layout
@@ -119,10 +119,10 @@ def read_row_group(location: str, path: str, row_group: int, rows: Sequence[int]
 
     try:
         table = retry_transient(read, f"reading {uri} row group {row_group}")
-    except FileNotFoundError:
-        raise RaychatError(f"{uri} is gone: a shard must not be removed under a run; restore it, or start a "
-                           "new run (--run-name) on the new corpus") from None
-    except (OSError, pa.ArrowException) as e:   # not transient: refused, or bytes that do not parse
+    except (OSError, pa.ArrowException) as e:   # not transient: gone, refused, or bytes that do not parse
+        if is_missing(e):
+            raise RaychatError(f"{uri} is gone: a shard must not be removed under a run; restore it, or "
+                               "start a new run (--run-name) on the new corpus") from None
         raise RaychatError(f"{uri}: row group {row_group} cannot be read ({_reason(e)}); "
                            f"{CHECK_HINT.replace('DATA_DIR', location)}") from e
     column = table.column(0)

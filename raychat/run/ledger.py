@@ -111,6 +111,7 @@ def ledger(records: list[dict[str, Any]]) -> Ledger:
     out: list[AttemptTime] = []
     wall = 0.0
     end = None  # the time of the previous attempt's last record
+    last_logged = -1  # the previous attempt's last step in the log
     previous: dict[str, Any] = {}
     for i, (start, body) in enumerate(attempts):
         t_start = start["time"]
@@ -137,8 +138,10 @@ def ledger(records: list[dict[str, Any]]) -> Ledger:
             wall_from = launched
         else:
             # Steps the ended attempt finished whose records never reached the log (a bucket's log is
-            # written every 30 s) are known from the coordinator: redone, not waiting.
-            lost_at = max(end, min(start.get("last_progress") or end, t_start))
+            # written every 30 s) are known from the coordinator: redone, not waiting. Only when the
+            # coordinator saw a step the log did not: its progress call follows the step's record.
+            unlogged = (start.get("last_progress_step") or -1) > last_logged
+            lost_at = max(end, min(start.get("last_progress") or end, t_start)) if unlogged else end
             noticed = min(max(start.get("noticed") or lost_at, lost_at), t_start)
             setup = min(max(start.get("setup_started") or noticed, noticed), t_start)
             s["redone"] += lost_at - end
@@ -154,6 +157,7 @@ def ledger(records: list[dict[str, Any]]) -> Ledger:
         s["eval"] = _running(body, "eval_s_so_far")
         s["checkpoint"] = _running(body, "checkpoint_s_so_far")
         end = body[-1]["time"] if body else t_start
+        last_logged = steps[-1]["step"] if steps else start.get("step", 0) - 1
         attempt_wall = end - wall_from
         s["other"] = max(0.0, attempt_wall - a.wall_s)
         wall += attempt_wall

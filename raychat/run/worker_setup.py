@@ -211,7 +211,8 @@ def _start_attempt(config: dict, state: LoopState, resumed_from: str | None, me:
     state.resizes += start.kind == "planned"
     state.redone_steps += start.redone_steps
     return ElasticSignals(coordinator), {"noticed": previous.get("noticed"),
-                                         "last_progress": previous.get("last_progress")}
+                                         "last_progress": previous.get("last_progress"),
+                                         "last_progress_step": previous.get("last_step")}
 
 
 def _publisher(w: Worker, state: LoopState, run: Storage, precision: str, peak_source: str,
@@ -289,7 +290,8 @@ def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
         del share
         state = LoopState(**{**restore.meta.loop_state, "step": restore.meta.step})
         saved_by = restore.meta.world_size
-        origin = f"Resumed from {restore.checkpoint} at step {state.step} (saved by {saved_by} workers)"
+        origin = (f"Resumed from {restore.checkpoint} at step {state.step} (saved by {saved_by} workers, "
+                  f"now {me.world_size})")
     elif config.get("init_weights") is not None:  # a new run from nanochat's weights (every attempt
         orig_model.load_state_dict(ray.get(config["init_weights"]), strict=True)  # until its first save)
         origin = "Starting from nanochat's weights at step 0"
