@@ -185,19 +185,7 @@ class ChaosRun:
             return
         self.launch()
         try:
-            for fault in self.schedule:
-                # Recoveries redo steps and take time, so a run can reach its horizon before the last
-                # faults: those stay "not injected", and the audit says so.
-                self.wait_for(lambda f=fault: self.healthy_at(f.at_step) or self.driver.poll() is not None,
-                              f"step {fault.at_step}", driver_may_exit=True)
-                if self.driver.poll() is not None:
-                    break
-                fault.injected_step, fault.injected_at = progress(self.trace).step, time.time()
-                self.say(f"step {fault.injected_step}: {fault.kind}")
-                getattr(self, fault.kind)(fault)
-                fault.recovery_s = round(time.time() - fault.injected_at, 1)
-                self.say(f"{fault.kind}: {'survived' if fault.survived else 'NOT SURVIVED'} in "
-                         f"{fault.recovery_s} s ({fault.note})")
+            self.inject_faults()
             self.wait_for(lambda: self.driver.poll() is not None, "the end of the run",
                           driver_may_exit=True)
         except (TimeUp, RunEnded) as e:
@@ -206,6 +194,26 @@ class ChaosRun:
             if self.driver.poll() is None:
                 self.driver.kill()
             self.exit_code = self.driver.wait()
+
+    def inject_faults(self) -> None:
+        """The schedule's faults, each at its step once the run is healthy there."""
+        for fault in self.schedule:
+            # Recoveries redo steps and take time, so a run can reach its horizon before the last
+            # faults: those stay "not injected", and the audit says so.
+            self.wait_for(lambda f=fault: self.healthy_at(f.at_step) or self.driver.poll() is not None,
+                          f"step {fault.at_step}", driver_may_exit=True)
+            if self.driver.poll() is not None:
+                return
+            self.inject(fault)
+
+    def inject(self, fault: Fault) -> None:
+        """Inject `fault` now and wait until the run has recovered from it (or could not)."""
+        fault.injected_step, fault.injected_at = progress(self.trace).step, time.time()
+        self.say(f"step {fault.injected_step}: {fault.kind}")
+        getattr(self, fault.kind)(fault)
+        fault.recovery_s = round(time.time() - fault.injected_at, 1)
+        self.say(f"{fault.kind}: {'survived' if fault.survived else 'NOT SURVIVED'} in "
+                 f"{fault.recovery_s} s ({fault.note})")
 
     def target(self, fault: Fault) -> tuple[int, int]:
         pids = progress(self.trace).pids

@@ -148,13 +148,19 @@ def write_results(path: Path, summary: dict) -> None:
     entry = (f"**{when}, `{command} --seed {summary['seed']}`**, {summary['seconds']:.0f} s on "
              f"{summary['machine']}."
              f"\n\n{markdown(fault_rows(summary))}\n\n{markdown(run_rows(summary))}\n")
+    add_to_section(path, SECTION, INTRO, entry)
+
+
+def add_to_section(path: Path, section: str, intro: str, entry: str) -> None:
+    """Append `entry` to the end of `section` (a `## ` heading) of the markdown file `path`, making the
+    section with its `intro` at the end of the file if it is missing."""
     text = path.read_text() if path.exists() else "# Benchmark results\n"
-    if SECTION not in text:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{INTRO}\n"
-    head, rest = text.split(SECTION, 1)
+    if section not in text:
+        text = text.rstrip("\n") + f"\n\n{section}\n\n{intro}\n"
+    head, rest = text.split(section, 1)
     following = rest.find("\n## ")
     body, tail = (rest, "") if following < 0 else (rest[:following + 1], rest[following + 1:])
-    path.write_text(head + SECTION + body.rstrip("\n") + "\n\n" + entry + ("\n" + tail if tail else ""))
+    path.write_text(head + section + body.rstrip("\n") + "\n\n" + entry + ("\n" + tail if tail else ""))
 
 
 def machine() -> str:
