@@ -152,3 +152,18 @@ def test_a_restart_counts_unlogged_steps_as_redone_only_when_the_coordinator_saw
     unlogged = [dict(r, last_progress=23.5, last_progress_step=10) if r.get("restarts") == 1 else r
                 for r in logged]
     assert ledger(unlogged).attempts[1].seconds["redone"] == pytest.approx(1.0)  # step 10's second
+
+
+def test_each_restart_line_shows_the_steps_it_redid_not_those_redone_after_it():
+    """The synthetic run dies a second time after step 9 of its second attempt and restarts from step
+    8: the first restart redid 6..9 (4 s), the second 8..9 of the second attempt (2 s)."""
+    records = [r for r in synthetic_log() if r["kind"] != "report"]
+    records.append({"kind": "start", "time": 50.0, "step": 8, "session": "s", "launched": 0.0,
+                    "restarts": 2, "noticed": 45.0, "setup_started": 47.0, "last_progress": 41.0})
+    records += [{"kind": "step", "time": 51.0 + i, "step": 8 + i, "dt": 1.0, "data_wait_s": 0.0,
+                 "eval_s_so_far": 0.0, "checkpoint_s_so_far": 0.0} for i in range(2)]
+    lines = ledger(records).lines()
+    first_restart = next(line for line in lines if line.startswith("- restart at step 6"))
+    second_restart = next(line for line in lines if line.startswith("- restart at step 8"))
+    assert "4.0s of steps redone" in first_restart, first_restart
+    assert "2.0s of steps redone" in second_restart, second_restart

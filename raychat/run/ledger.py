@@ -39,6 +39,7 @@ class AttemptTime:
     step: int  # the step it started from
     kind: str  # "first" (a driver's first attempt), "restart" or "resize"
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0.0))
+    tail_s: float = 0.0  # of its "redone": the attempt before it's steps that never reached the log
 
     @property
     def wall_s(self) -> float:
@@ -78,8 +79,9 @@ class Ledger:
             if a.kind == "first":  # a rerun of the run name: no restart to account
                 continue
             parts = [f"{cause} {a.seconds[cause]:.1f}s" for cause in RESTART_CAUSES]
-            # The steps it redid were trained (and lost) in the attempt before it.
-            redone = before.seconds["redone"] + a.seconds["redone"]
+            # The steps it redid were trained (and lost) in the attempt before it: those the log has
+            # (counted in that attempt's "redone") and those it lacks (counted in this one's tail).
+            redone = before.seconds["redone"] - before.tail_s + a.tail_s
             lines.append(f"- {a.kind} at step {a.step}: " + ", ".join(parts)
                          + f", {redone:.1f}s of steps redone; attempt goodput {100 * a.goodput:.1f}%")
         return lines
@@ -144,7 +146,8 @@ def ledger(records: list[dict[str, Any]]) -> Ledger:
             lost_at = max(end, min(start.get("last_progress") or end, t_start)) if unlogged else end
             noticed = min(max(start.get("noticed") or lost_at, lost_at), t_start)
             setup = min(max(start.get("setup_started") or noticed, noticed), t_start)
-            s["redone"] += lost_at - end
+            a.tail_s = lost_at - end
+            s["redone"] += a.tail_s
             s["detect"], s["reschedule"], s["restore"] = noticed - lost_at, setup - noticed, t_start - setup
             s["first_step"] = max(0.0, first_start - t_start - pre_eval - pre_ckpt)
             wall_from = end
