@@ -140,8 +140,11 @@ def measure(args: argparse.Namespace, out: Path, temp_dir: str) -> dict:
     started, deadline = time.time(), time.monotonic() + args.time_limit
     health = shipped_health_checks()
     with tempfile.TemporaryDirectory(prefix="raychat-goodput-") as tmp:
-        data, tok = prepare_inputs(Path(tmp), num_docs=20_000, docs_per_shard=1_000)
-        with local_cluster(2, system_config=health, temp_dir=temp_dir) as (cluster, nodes):
+        # ~50 synthetic documents fill a 2048-token step: 30 a step ends epoch 1 ~60% into the run,
+        # so the audit can check every epoch-1 document was trained once.
+        data, tok = prepare_inputs(Path(tmp), num_docs=30 * args.steps,
+                                   docs_per_shard=max(100, 3 * args.steps // 2))
+        with local_cluster(2, system_config=dict(health), temp_dir=temp_dir) as (cluster, nodes):
             ctx = Context(cluster, nodes, data, tok, Path(tmp) / "runs", out, deadline, temp_dir)
             runs = {"undisturbed": FaultEveryNMinutes(RunSpec("undisturbed", (), 0, args.steps), ctx, None, 0,
                                                       random.Random(args.seed)),
