@@ -80,20 +80,20 @@ def expand(runs: Iterable[Sequence[int]]) -> list[tuple[int, int, int]]:
     return [(epoch, unit, row) for epoch, unit, start, stop in runs for row in range(start, stop)]
 
 
-def owed_documents(index: "CorpusIndex", cursor: dict) -> set[tuple[int, int, int]]:  # noqa: F821
+def owed_documents(index: "CorpusIndex", cursor: "Cursor") -> set[tuple[int, int, int]]:  # noqa: F821
     """(epoch, unit, row) of every document a final cursor still owes: those in flight (a long
     document can wait in the packer's buffer) and those of units not started yet."""
     from raychat.data.cursor import UnitSchedule
 
     unit_at = UnitSchedule(index, None)
-    owed = set(expand(cursor["in_flight"]))
-    for position in cursor["unstarted"]:
+    owed = set(expand(cursor.in_flight))
+    for position in cursor.unstarted:
         epoch, unit, num_rows = unit_at(position)
         owed |= {(epoch, unit, row) for row in range(num_rows)}
     return owed
 
 
-def document_counts(records: list[dict], data_dir: Path, cursor: dict) -> dict:
+def document_counts(records: list[dict], data_dir: Path, cursor: "Cursor") -> dict:  # noqa: F821
     """Documents of the final timeline: how many trained, repeated (the same document twice in one
     epoch), and epoch-1 documents lost (neither trained nor still owed by the final cursor: a long
     document can wait in the packer's buffer)."""
@@ -110,7 +110,7 @@ def document_counts(records: list[dict], data_dir: Path, cursor: dict) -> dict:
     trained1 = {d for d in consumed if d[0] == 1}
     return {"steps": sorted(latest), "documents": len(consumed),
             "repeated": len(consumed) - len(set(consumed)),
-            "epoch1_passed": cursor["frontier"] >= len(index.train),
+            "epoch1_passed": cursor.frontier >= len(index.train),
             "epoch1_lost": len(epoch1 - trained1 - owed), "trained_and_owed": len(trained1 & owed)}
 
 

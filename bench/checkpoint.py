@@ -43,7 +43,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -89,7 +88,7 @@ def measure(depth: int, args: argparse.Namespace, locations: dict[str, str]) -> 
     step()  # populates the optimizer state; also the slow first step, so not timed
     step_s = statistics.median(step() for _ in range(args.steps))
     pieces, plain = state_pieces(model, optimizer, 1, 0)
-    meta = CheckpointMeta(step=1, model_config=asdict(plan.model))
+    meta = CheckpointMeta(step=1, model_config=plan.model)
     result = {"depth": depth, "params": plan.params["total"], "flops_per_token": plan.flops_per_token,
               "batch": f"1 x {args.seq_len} tokens", "step_s": step_s, "backends": {}}
     print(f"d{depth}: {plan.params['total'] / 1e6:,.1f} M params, training step {step_s:.2f} s "

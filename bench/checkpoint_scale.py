@@ -50,7 +50,7 @@ from raychat.checkpoint.resume import Restore
 from raychat.checkpoint.saver import CheckpointSaver
 from raychat.checkpoint.shardfile import io_count
 from raychat.common import RaychatError, run_cli
-from raychat.model.gpt import build_model, gpt_config
+from raychat.model.gpt import GPTConfig, build_model, gpt_config
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.storage import Storage
@@ -116,7 +116,7 @@ def _rank(rank: int, world: int, depth: int, tmp: str, run_uri: str) -> None:
     written0 = io_count.written
     t0 = time.perf_counter()
     pieces, plain = state_pieces(model, optimizer, world, rank)
-    meta = CheckpointMeta(step=STEP, model_config={}, world_size=world) if rank == 0 else None
+    meta = CheckpointMeta(step=STEP, model_config=GPTConfig(), world_size=world) if rank == 0 else None
     saver.save(STEP, pieces, token, meta, extra=plain)
     stall = time.perf_counter() - t0
     host_bytes = saver.writer.buffer_bytes

@@ -23,7 +23,6 @@ the correctness check's forward: it proves the command runs, not how fast.
 """
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -180,7 +179,7 @@ def save_resume(config: BenchConfig, device: torch.device, tmp: str) -> dict:
     directory = os.path.join(tmp, "checkpoint_000002")
     t0 = time.perf_counter()
     save_checkpoint(directory, model.state_dict(), optimizer.state_dict(),
-                    CheckpointMeta(step=2, model_config=dataclasses.asdict(model_config)).to_json())
+                    CheckpointMeta(step=2, model_config=model_config).to_json())
     save_s = time.perf_counter() - t0
     save_peak = _peak_bytes(device)
     t0 = time.perf_counter()

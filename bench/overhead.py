@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ray must start its own local instance, as for a user running `python -m raychat.train` alone.
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAYCHAT_OFFLINE="1", PYTHONUNBUFFERED="1")
-    flags = [f"--{key.replace('_', '-')}={value}" for key, value in cfg.to_dict().items()
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in cfg.to_public_dict().items()
              if value != getattr(TrainConfig, key, None) and key not in ("data_dir", "tokenizer_dir")]
     print(f"load average {os.getloadavg()[0]:.1f}; {os.cpu_count()} CPUs; cache {cache_dir}\n"
           f"config: {' '.join(flags)}", flush=True)

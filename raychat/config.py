@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raychat.common import RaychatError, check_name
+from raychat.records import Record
 from raychat.storage import SafeLocation
 
 
@@ -19,8 +20,18 @@ def _flag(default: Any, help: str, group: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, "group": group, **kw})
 
 
+# --optimizer's choices: each name's module in raychat/optim, whose SPEC builds it (the first is the
+# default). Names and paths only: the flag is offered and checked here, and the optimizers, which read
+# these flags, are imported by raychat.optim.registry when a run builds one.
+OPTIMIZERS: dict[str, str] = {
+    "muon_adamw": "raychat.optim.muon_adamw",
+    "sgd": "raychat.optim.sgd",
+}
+DEFAULT_OPTIMIZER = next(iter(OPTIMIZERS))
+
+
 @dataclass
-class TrainConfig:
+class TrainConfig(Record):
     # --- model ---
     depth: int = _flag(20, "number of transformer layers; the one dial that sets model size and, "
                        "through the scaling rules, horizon, batch size, learning rates", "model")
@@ -53,6 +64,13 @@ class TrainConfig:
     scalar_lr: float = _flag(0.5, "AdamW learning rate of the per-layer scalars", "optimization")
     weight_decay: float = _flag(0.28, "Muon cautious weight decay at d12 (scaled with batch and horizon)",
                                 "optimization")
+    optimizer: str = _flag(DEFAULT_OPTIMIZER, "what trains the model: muon_adamw (nanochat's Muon for the "
+                           "transformer's matrices, AdamW for the rest: the four lrs above) or sgd (plain "
+                           "SGD over every parameter: --sgd-lr, --sgd-momentum); a run resumes only under "
+                           "the optimizer it was saved with", "optimization", choices=tuple(OPTIMIZERS))
+    sgd_lr: float = _flag(0.5, "--optimizer sgd: learning rate (times the batch-size lr scale, with the lr "
+                          "schedule)", "optimization")
+    sgd_momentum: float = _flag(0.9, "--optimizer sgd: momentum (0 = none)", "optimization")
     warmup_steps: int = _flag(40, "linear learning-rate warmup steps", "optimization")
     warmdown_ratio: float = _flag(0.65, "fraction of steps spent in the final linear warmdown",
                                   "optimization")
@@ -152,6 +170,12 @@ class TrainConfig:
             raise RaychatError(f"--warmdown-ratio must be within [0, 1], got {self.warmdown_ratio}")
         if not 0 <= self.final_lr_frac <= 1:  # outside, the lr multiplier would turn negative or overshoot
             raise RaychatError(f"--final-lr-frac must be within [0, 1], got {self.final_lr_frac}")
+        if self.optimizer not in OPTIMIZERS:
+            raise RaychatError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.sgd_lr <= 0:
+            raise RaychatError(f"--sgd-lr must be positive, got {self.sgd_lr}")
+        if not 0 <= self.sgd_momentum < 1:  # at 1 or above the momentum never forgets and the steps grow
+            raise RaychatError(f"--sgd-momentum must be within [0, 1), got {self.sgd_momentum}")
         self.worker_range()  # raises on a malformed --num-workers
         if self.max_lost_minutes <= 0:
             raise RaychatError(f"--max-lost-minutes must be positive, got {self.max_lost_minutes} "
@@ -183,21 +207,14 @@ class TrainConfig:
     def name(self) -> str:
         return self.run_name or self.tag
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     def to_public_dict(self) -> dict[str, Any]:
-        """The flags as they may be shown and stored (checkpoint metadata, wandb): plain values, the
-        locations without the credentials a URI can carry (raychat.storage.SafeLocation)."""
-        values = self.to_dict()
+        """The flags as they may be shown (wandb, the metrics log): plain values, the locations
+        without the credentials a URI can carry (raychat.storage.SafeLocation). Checkpoints keep
+        the record (`to_dict`, raychat.records), which is as plain."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name in LOCATION_FIELDS:
             values[name] = str(values[name])
         return values
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
 
 
 LOCATION_FIELDS = ("storage_path", "data_dir", "tokenizer_dir")

@@ -13,12 +13,12 @@ import torch
 
 from raychat.checkpoint.format import read_meta
 from raychat.checkpoint.reader import load_checkpoint
+from raychat.checkpoint.resume import find_checkpoint
 from raychat.common import RaychatError, default_tokenizer_dir, run_cli
 from raychat.evaluation.bundle import cached_bundle, default_bundle_dir
 from raychat.evaluation.core import Results, combine, format_task_line, score_shard
-from raychat.model.gpt import GPT, GPTConfig, build_model
+from raychat.model.gpt import GPT, build_model
 from raychat.run.runtime_env import worker_runtime_env
-from raychat.sample import find_checkpoint
 from raychat.storage import run_directory
 from raychat.tokenizer.core import Tokenizer, check_vocab
 
@@ -26,7 +26,7 @@ from raychat.tokenizer.core import Tokenizer, check_vocab
 def load_model(checkpoint: str, device: torch.device) -> GPT:
     """The checkpoint's model, built from its metadata, in eval mode."""
     model_state, _, meta = load_checkpoint(checkpoint, load_optimizer=False)
-    model = build_model(GPTConfig(**meta.model_config), device)
+    model = build_model(meta.model_config, device)
     model.load_state_dict(model_state, strict=True)
     return model.eval()
 

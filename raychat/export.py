@@ -31,9 +31,9 @@ from raychat.checkpoint.format import read_meta
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.nanochat import MODEL_CONFIG_KEYS, NANOCHAT_COMMIT, nanochat_keys
 from raychat.checkpoint.reader import load_checkpoint
+from raychat.checkpoint.resume import find_checkpoint
 from raychat.common import RaychatError, check_name, default_tokenizer_dir, run_cli
 from raychat.model.gpt import GPTConfig
-from raychat.sample import find_checkpoint
 from raychat.storage import Storage, run_directory
 from raychat.tokenizer.core import Tokenizer, check_vocab
 
@@ -54,14 +54,16 @@ def nanochat_state(model_state: dict[str, torch.Tensor], config: GPTConfig,
 
 
 def nanochat_meta(meta: CheckpointMeta) -> dict:
-    """meta_<step>.json: the fields nanochat's checkpoint_manager, base_eval and chat_sft read."""
-    user, plan = meta.user_config, meta.plan
+    """meta_<step>.json: the fields nanochat's checkpoint_manager, base_eval and chat_sft read. A
+    checkpoint from before raychat kept its flags or plan leaves those fields empty."""
+    user, plan, model = meta.user_config, meta.plan, meta.model_config
     return {
         "step": meta.step, "val_bpb": meta.val_bpb,
-        "model_config": {key: meta.model_config[key] for key in MODEL_CONFIG_KEYS},
-        "user_config": user, "max_seq_len": meta.model_config["sequence_len"],
-        "device_batch_size": user.get("device_batch_size"),
-        "total_batch_size": plan.get("total_batch_size", user.get("total_batch_size")),
+        "model_config": {key: getattr(model, key) for key in MODEL_CONFIG_KEYS},
+        "user_config": user.to_public_dict() if user is not None else {}, "max_seq_len": model.sequence_len,
+        "device_batch_size": user.device_batch_size if user is not None else None,
+        "total_batch_size": (plan.total_batch_size if plan is not None
+                             else user.total_batch_size if user is not None else None),
         "exported_from": {"raychat_version": meta.raychat_version,
                           "nanochat_commit": NANOCHAT_COMMIT},
     }
@@ -79,8 +81,7 @@ def export_nanochat(checkpoint: Storage, tokenizer: Tokenizer, out: Path, model_
     """Write the checkpoint and tokenizer in nanochat's layout under `out`; returns the model file."""
     model_state, _, meta = load_checkpoint(checkpoint, load_optimizer=False)
     check_vocab(tokenizer, meta.vocab_size, meta.tokenizer_fingerprint, str(checkpoint))
-    config = GPTConfig(**meta.model_config)
-    state = nanochat_state(model_state, config, embedding_dtype)
+    state = nanochat_state(model_state, meta.model_config, embedding_dtype)
     directory = out / "base_checkpoints" / model_tag
     step = meta.step
     model_file = directory / f"model_{step:06d}.pt"
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = find_checkpoint(run, args.step)
     tokenizer = Tokenizer.load(args.tokenizer_dir or default_tokenizer_dir())
     meta = read_meta(checkpoint)
-    default_tag = meta.user_config.get("model_tag") or f"d{meta.model_config['n_layer']}"
+    flags = meta.user_config
+    default_tag = (flags.model_tag if flags is not None else "") or f"d{meta.model_config.n_layer}"
     tag = check_name(args.model_tag or default_tag, "--model-tag")  # a directory under --out, not a path
     dtype = torch.bfloat16 if args.embedding_dtype == "bf16" else torch.float32
     model_file = export_nanochat(checkpoint, tokenizer, out, tag, dtype)

@@ -9,24 +9,15 @@ import argparse
 
 import torch
 
-from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
+from raychat.checkpoint.format import read_meta
 from raychat.checkpoint.reader import load_checkpoint
-from raychat.common import RaychatError, default_tokenizer_dir, run_cli
+from raychat.checkpoint.resume import find_checkpoint
+from raychat.common import default_tokenizer_dir, run_cli
 from raychat.model.generate import generate
-from raychat.model.gpt import GPTConfig, build_model
-from raychat.run.evaluate import SAMPLE_PROMPTS
-from raychat.storage import Storage, run_directory
+from raychat.model.gpt import build_model
+from raychat.run.validation import SAMPLE_PROMPTS
+from raychat.storage import run_directory
 from raychat.tokenizer.core import Tokenizer, check_vocab
-
-
-def find_checkpoint(run: Storage, step: int | None) -> Storage:
-    if not run.is_dir():
-        raise RaychatError(f"no run at {run}: check --run-name and --storage-path")
-    found = latest_valid_checkpoint(run, step=step)
-    if found is None:
-        wanted = "a complete checkpoint" if step is None else f"a complete checkpoint at step {step}"
-        raise RaychatError(f"run {run} has no {wanted}: drop --step for the latest, or train longer")
-    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_state, _, meta = load_checkpoint(ckpt, load_optimizer=False)
-    model = build_model(GPTConfig(**meta.model_config), device)
+    model = build_model(meta.model_config, device)
     model.load_state_dict(model_state, strict=True)
     model.eval()
     print(f"# {ckpt} (step {meta.step}, val bpb {meta.val_bpb})", flush=True)

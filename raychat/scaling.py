@@ -21,6 +21,7 @@ from raychat.common import RaychatError
 from raychat.config import TrainConfig
 from raychat.model.gpt import GPT, GPTConfig, gpt_config
 from raychat.model.precision import describe_precision
+from raychat.records import Record
 
 REF_DEPTH = 12  # nanochat tuned its hyperparameters at d12 and transfers them from there
 B_REF = 2**19  # tokens per step that is optimal at d12 (measured by nanochat)
@@ -34,7 +35,7 @@ MOMENTUM_END = 0.90  # ... and at the last step
 
 
 @dataclass
-class Plan:
+class Plan(Record):
     """Everything the scaling rules decide for one run, at one world size."""
 
     model: GPTConfig
@@ -65,17 +66,9 @@ class Plan:
         return self.flops_per_token * self.total_tokens
 
     def to_json(self) -> dict[str, Any]:
-        """The plan as plain JSON values (what `raychat.plan --json` prints and checkpoints store)."""
-        out = dataclasses.asdict(self)  # the GPTConfig becomes a nested dict
-        out["total_flops"] = self.total_flops
-        return out
-
-    @classmethod
-    def from_json(cls, values: dict[str, Any]) -> "Plan":
-        """The plan `to_json` wrote (the driver ships it to the workers this way)."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        plan = {k: v for k, v in values.items() if k in fields}
-        return cls(**{**plan, "model": GPTConfig(**plan["model"])})
+        """The plan for people (`raychat.plan --json`, the metrics log): the record and its total
+        FLOPs. Checkpoints store the record itself (`to_dict`)."""
+        return {**self.to_dict(), "total_flops": self.total_flops}
 
     def at_world_size(self, world_size: int) -> "Plan":
         """The same run dealt to `world_size` workers: only the batch layout changes (an elastic

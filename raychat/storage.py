@@ -12,16 +12,19 @@ import errno
 import os
 import re
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raychat.common import RaychatError, StorageUnavailable, check_name, default_storage_path
+
+T = TypeVar("T")
+FileInfo = pafs.FileInfo  # what listings return: base_name, path, size, type
 
 
 def is_uri(location: str) -> bool:
@@ -141,8 +144,16 @@ class Storage:
         return location if isinstance(location, Storage) else cls(location)
 
     @property
-    def is_local(self) -> bool:
+    def _local(self) -> bool:
+        # Every difference between local disk (and NFS) and an object store stays in this class:
+        # callers ask for an operation (write_whole, sync, open_append, create_exclusive), not a backend.
         return isinstance(self.fs, pafs.LocalFileSystem)
+
+    @property
+    def appends_in_place(self) -> bool:
+        """Whether `open_append` adds to a file where it is (local disk, NFS) or rewrites it whole (an
+        object store cannot append): a writer batches its appends where each costs a whole upload."""
+        return self._local
 
     def child(self, *names: str) -> "Storage":
         """The directory (or file) `names` below this one, on the same filesystem."""
@@ -162,6 +173,9 @@ class Storage:
     def is_dir(self, name: str = "") -> bool:
         return self.info(name).type == pafs.FileType.Directory
 
+    def is_file(self, name: str = "") -> bool:
+        return self.info(name).type == pafs.FileType.File
+
     def entries(self) -> list[pafs.FileInfo]:
         """Entries directly below this directory (none when it does not exist)."""
         try:
@@ -171,6 +185,10 @@ class Storage:
 
     def subdirs(self) -> list[str]:
         return sorted(info.base_name for info in self.entries() if info.type == pafs.FileType.Directory)
+
+    def files(self) -> list[FileInfo]:
+        """The files directly below this directory (base_name, path, size)."""
+        return [info for info in self.entries() if info.type == pafs.FileType.File]
 
     def read_bytes(self, name: str) -> bytes:
         with self.fs.open_input_stream(self.path(name)) as f:
@@ -183,6 +201,10 @@ class Storage:
     def open_input(self, name: str) -> Iterator[BinaryIO]:
         with self.fs.open_input_stream(self.path(name)) as f:
             yield f
+
+    def open_random(self, name: str) -> pa.NativeFile:
+        """`name` opened for reads at any offset (a ranged GET per read in a bucket); close it after."""
+        return self.fs.open_input_file(self.path(name))
 
     @contextmanager
     def open_output(self, name: str) -> Iterator[BinaryIO]:
@@ -216,7 +238,7 @@ class Storage:
         under `name`, which fails if `name` exists (atomic on POSIX and NFSv3+, like O_EXCL). S3: a
         PUT with `If-None-Match: *` (AWS S3 since 2024, MinIO, moto 5.2). Other stores are refused:
         a lease that rests on timing is not a lease."""
-        if self.is_local:
+        if self._local:
             self.make_dir()
             tmp = self.path(f".{name}.{uuid.uuid4().hex}.tmp")
             with open(tmp, "wb") as f:
@@ -256,18 +278,52 @@ class Storage:
             raise ConnectionError(f"creating {self.child(name)}: {type(e).__name__}") from None
 
     def replace_atomically(self, name: str, data: bytes) -> None:
-        """Overwrite `name` so that a reader sees the old or the new content, never a torn or empty
-        file (local: temporary file and rename; object stores publish a PUT whole)."""
-        if not self.is_local:
-            self.write_bytes(name, data)
-            return
+        """Overwrite `name` with `data` so that a reader sees the old or the new content, never a torn
+        or empty file (`write_whole`)."""
+        self.write_whole(name, lambda f: f.write(data))
+
+    def write_whole(self, name: str, write: Callable[[BinaryIO], T]) -> T:
+        """Write `name` through `write(stream)` (its result returned) so that a reader sees the old
+        content, the new or nothing, never a torn file. Local disk: a private temporary file, fsynced,
+        then renamed over `name` (removed if `write` fails); an object store publishes an upload whole
+        when it closes. The rename is durable once `sync` has run."""
+        if not self._local:
+            with self.open_output(name) as f:
+                return write(f)
         self.make_dir()
-        tmp = self.path(f".{name}.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path(name))
+        tmp = self.path(f".{name}.{uuid.uuid4().hex}.tmp")  # private: two writers never share one
+        try:
+            with open(tmp, "wb") as f:
+                result = write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path(name))
+        except BaseException:
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return result
+
+    def sync(self) -> None:
+        """Make the renames into this directory durable (fsync of the directory on local disk and NFS);
+        an object store has nothing to do: each object is durable when its upload completes."""
+        if not self._local:
+            return
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def rename(self, name: str, new_name: str) -> None:
+        """Give file `name` the name `new_name` (replacing it): a rename on disk, a copy and delete in a
+        bucket (so a reader of a bucket may briefly see both)."""
+        self.fs.move(self.path(name), self.path(new_name))
+
+    def open_append(self, name: str) -> "tuple[bytes, AppendFile]":
+        """What `name` holds now (empty when it does not exist) and a handle that appends to it."""
+        existing = self.read_bytes(name) if self.exists(name) else b""
+        return existing, AppendFile(self, name, existing)
 
     def _bucket_key(self, name: str) -> tuple[str, str]:
         if urlsplit(self.location).scheme != "s3":
@@ -315,6 +371,25 @@ class Storage:
             cause = e.__cause__ if isinstance(e, StorageUnavailable) and e.__cause__ is not None else e
             raise RaychatError(f"{flag} {self} is not writable: {self.location.scrub(_storage_reason(cause))}"
                                ) from None
+
+
+class AppendFile:
+    """A file that only grows (a log). On local disk and NFS each append adds to the file in place; an
+    object store cannot append, so there each append rewrites the object whole from the copy kept here
+    (the file as read when it was opened, and every append since: one writer per file)."""
+
+    def __init__(self, storage: Storage, name: str, existing: bytes):
+        self._storage, self._name = storage, name
+        self._content = b"" if storage.appends_in_place else existing
+
+    def append(self, data: bytes) -> None:
+        if self._storage.appends_in_place:
+            self._storage.make_dir()
+            with self._storage.fs.open_append_stream(self._storage.path(self._name)) as f:
+                f.write(data)
+        else:
+            self._storage.write_bytes(self._name, self._content + data)
+            self._content += data
 
 
 Location = str | Path | Storage

@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
     connect_ray(run.cfg)
     t0 = time.time()
-    metrics = fit_run(run)
-    print("\n".join(summary_lines(run, metrics, time.time() - t0)), flush=True)
+    result = fit_run(run)
+    print("\n".join(summary_lines(run, result, time.time() - t0)), flush=True)
     sys.stdout.flush()
     return 0
 

@@ -18,6 +18,7 @@ import time
 
 import pytest
 from core_bundle import write_word_bundle
+from helpers import hub_files
 
 from bench.multinode import stop_processes_under
 
@@ -181,6 +182,12 @@ def tiny_corpus(tmp_path_factory):
         writer.add_val(docs[-40:])
     train_tokenizer(root / "data", root / "tokenizer", vocab_size=512, log=lambda *_: None)
     return root / "data", root / "tokenizer"
+
+
+@pytest.fixture(scope="module")
+def served_files(tmp_path_factory) -> dict[str, bytes]:
+    """What the local Hub (helpers.HubServer) serves: ClimbMix-named shards (helpers.hub_files)."""
+    return hub_files(tmp_path_factory.mktemp("served"))
 
 
 # Tiers: `pytest -m unit` is the fast check before every commit (no Ray instance, no cluster, no

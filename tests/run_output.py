@@ -6,7 +6,7 @@ fails it. tests/test_train.py checks a 2-worker run with a killed worker against
 
 import re
 
-from raychat.run.evaluate import SAMPLE_PROMPTS
+from raychat.run.validation import SAMPLE_PROMPTS
 
 RAYCHAT_LINES = [re.compile(p) for p in (
     # the driver, before Ray starts: corpus and tokenizer (prepared when missing), plan table, preset,

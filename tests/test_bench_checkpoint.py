@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Whole benches in a subprocess (an S3 server of their own, gloo ranks, real saves and loads): minutes
+# on 2 cores, so not in the unit tier; the checkpoint modules' logic is unit-tested in test_checkpoint*.
+pytestmark = pytest.mark.slow
 
 
 def test_checkpoint_bench_quick(tmp_path):

@@ -7,9 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Every part of the GPU check on CPU (compiled steps, the loader, a save and resume): a whole bench,
+# not one module's logic, so not in the unit tier.
+@pytest.mark.slow
 def test_dry_run_writes_every_part(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)

@@ -7,22 +7,22 @@ import pickle
 import subprocess
 import sys
 import time
-import urllib.request
-from contextlib import contextmanager
 
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 from conftest import s3_uri
-from test_corpus import run_corpus_cli
-from test_download import COMMIT, NUM_TRAIN, HubServer
-from test_download import served_files as hub_files  # noqa: F401 (a fixture: the Hub's files)
-from test_train import (
+from helpers import (
+    COMMIT,
+    NUM_TRAIN,
     STEP_LINE,
     VAL_LINE,
+    HubServer,
+    copy_to_bucket,
     final_model_state,
     log_lines,
     one_error_line,
+    recorded_requests,
+    run_corpus_cli,
     run_train,
     tiny_flags,
 )
@@ -49,38 +49,10 @@ from raychat.tokenizer.remote import local_copy
 TEXT = "Ray Data reads the corpus; the tokenizer comes from the bucket too."
 
 
-def _recorder(endpoint: str, action: str) -> str:
-    method = "GET" if action == "download-recording" else "POST"
-    request = urllib.request.Request(f"http://{endpoint}/moto-api/recorder/{action}", method=method)
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return response.read().decode()
-
-
-@contextmanager
-def recorded_requests(endpoint: str):
-    """The requests the S3 server answered meanwhile (moto's request recorder), filled in on exit."""
-    requests: list[dict] = []
-    _recorder(endpoint, "reset-recording")
-    _recorder(endpoint, "start-recording")
-    try:
-        yield requests
-    finally:
-        _recorder(endpoint, "stop-recording")
-        recording = _recorder(endpoint, "download-recording")
-        requests += [json.loads(line) for line in recording.splitlines() if line]
-
-
 def range_bytes(request: dict) -> int:
     """Bytes a GET asked for by its Range header ('bytes=a-b'); a GET without one asked for everything."""
     first, last = request["headers"]["Range"].split("=", 1)[1].split("-")
     return int(last) - int(first) + 1
-
-
-def copy_to_bucket(local_dir, uri: str) -> Storage:
-    bucket = Storage(uri)
-    bucket.make_dir()
-    pafs.copy_files(str(local_dir), bucket.root, destination_filesystem=bucket.fs)
-    return bucket
 
 
 def test_corpus_commands_range_reads_and_damage_on_a_bucket(s3_endpoint):
@@ -124,19 +96,19 @@ def test_corpus_commands_range_reads_and_damage_on_a_bucket(s3_endpoint):
     assert time.monotonic() - started < 3
 
 
-def test_download_streams_the_hub_into_a_bucket_and_resumes(s3_endpoint, hub_files, tmp_path,  # noqa: F811 (the fixture)
+def test_download_streams_the_hub_into_a_bucket_and_resumes(s3_endpoint, served_files, tmp_path,
                                                              monkeypatch, capsys):
     uri = s3_uri(s3_endpoint, f"climbmix-{time.time_ns()}")
     monkeypatch.setenv("RAYCHAT_HOME", str(tmp_path / "home"))  # the staging directory lives here
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    with HubServer(hub_files) as server:
+    with HubServer(served_files) as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         assert corpus_main(["download", "--shards", str(NUM_TRAIN), "--data-dir", uri, "--workers", "2"]) == 0
         out = capsys.readouterr().out
         assert "2 of 4 files uploaded" in out and "4 of 4 files uploaded" in out  # a batch of 2 at a time
         assert f"corpus {uri}: OK" in out  # the bucket checked as a corpus afterwards
         bucket = Storage(uri)
-        assert {name: bucket.read_bytes(name) for name in hub_files} == hub_files
+        assert {name: bucket.read_bytes(name) for name in served_files} == served_files
         assert read_corpus_meta(uri) == {"source": "hub", "repo": REPO_ID, "revision": COMMIT}
         staging = tmp_path / "home" / "staging"
         assert not staging.exists() or not any(staging.iterdir())  # local disk kept no copy
@@ -152,7 +124,7 @@ def test_download_streams_the_hub_into_a_bucket_and_resumes(s3_endpoint, hub_fil
                    if method == "GET" and "/resolve/" in path}
         assert fetched == {lost}, fetched
         assert "download: 3 of 4 files already in the bucket" in lines
-        assert bucket.read_bytes(lost) == hub_files[lost]
+        assert bucket.read_bytes(lost) == served_files[lost]
     index = CorpusIndex.load(uri)
     assert index.num_train_docs == NUM_TRAIN * 1100
 
@@ -221,8 +193,8 @@ def test_training_from_a_bucket_trains_what_local_disk_does_and_refuses_a_change
     assert all((local_state[k] == bucket_state[k]).all() for k in local_state)
     # The checkpoint names the corpus it was trained on; the URI's query (maybe credentials) is not kept.
     corpus = read_meta(Storage(str(storage)).child("bucket", "checkpoint_000012")).corpus
-    assert corpus["identity"] == CorpusIndex.load(uri).identity() and corpus["location"] == uri.split("?")[0]
-    assert corpus["source"] == "custom"
+    assert corpus.identity == CorpusIndex.load(uri).identity() and corpus.location == uri.split("?")[0]
+    assert corpus.source == "custom"
 
     # A shard replaced in the bucket since the checkpoint: the driver refuses to resume, in one line.
     bucket.write_bytes("shard_00003.parquet", (data_dir / "shard_00004.parquet").read_bytes())

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from helpers import assert_bitwise_equal
 from safetensors import safe_open
 
 from raychat.checkpoint.convert import main as convert_main
@@ -23,13 +24,13 @@ from raychat.checkpoint.format import (
     rank_file,
     read_meta,
 )
-from raychat.checkpoint.meta import META_VERSION, CheckpointMeta
+from raychat.checkpoint.meta import META_VERSION, CheckpointMeta, LoopState
 from raychat.checkpoint.reader import CheckpointReader, load_checkpoint
 from raychat.checkpoint.saver import AsyncCheckpointWriter, CheckpointSaver
 from raychat.checkpoint.sharded import Piece, save_checkpoint
 from raychat.checkpoint.shardfile import BLOCK_BYTES, CheckpointDamaged, io_count
 from raychat.common import RaychatError
-from raychat.model.gpt import build_model, gpt_config
+from raychat.model.gpt import GPTConfig, build_model, gpt_config
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.storage import Storage
@@ -37,29 +38,8 @@ from raychat.storage import Storage
 RANK0 = rank_file(0, 1)
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of a tensor: equal bits, not just equal values (NaN, -0.0)."""
-    return t.detach().contiguous().flatten().view(torch.uint8)
-
-
-def assert_same_tree(a, b):
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(bits(a), bits(b))
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_same_tree(a[k], b[k])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same_tree(x, y)
-    else:
-        assert a == b
-
-
 def meta(step: int, **kw) -> CheckpointMeta:
-    return CheckpointMeta(step=step, model_config={"n_layer": 1}, **kw)
+    return CheckpointMeta(step=step, model_config=GPTConfig(n_layer=1), **kw)
 
 
 def tiny_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -101,12 +81,12 @@ def test_round_trip_is_bit_exact_and_the_files_are_plain_safetensors(tmp_path):
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     # a rank file is read by the safetensors package itself: no raychat, no pickle
     with safe_open(str(tmp_path / "ckpt" / RANK0), framework="pt") as f:
-        assert_same_tree(f.get_tensor("model/lm_head.weight"), state["lm_head.weight"])
+        assert_bitwise_equal(f.get_tensor("model/lm_head.weight"), state["lm_head.weight"])
 
     model_state, optim_state, saved_meta = load_checkpoint(tmp_path / "ckpt")
-    assert_same_tree(model_state, state)
+    assert_bitwise_equal(model_state, state)
     reference = optimizer.state_dict()
-    assert_same_tree(optim_state["state"], reference["state"])
+    assert_bitwise_equal(optim_state["state"], reference["state"])
     assert json.loads(json.dumps(reference["param_groups"])) == optim_state["param_groups"]
     assert saved_meta == meta(7, val_bpb=1.25)
 
@@ -123,12 +103,12 @@ def test_a_resumed_optimizer_continues_exactly_like_the_uninterrupted_one(tmp_pa
     with CheckpointReader(tmp_path / "checkpoint_000002") as reader:
         share = read_share(reader, resumed, resumed_optimizer, 1, 0)
     apply_share(share, resumed, resumed_optimizer, 1, torch.device("cpu"))
-    assert_same_tree(resumed_optimizer.state_dict(), optimizer.state_dict())
+    assert_bitwise_equal(resumed_optimizer.state_dict(), optimizer.state_dict())
     for m, o in ((model, optimizer), (resumed, resumed_optimizer)):
         tokens = torch.randint(0, 200, (3, 17), generator=torch.Generator().manual_seed(99))
         m(tokens[:, :-1], tokens[:, 1:]).backward()
         o.step()
-    assert_same_tree(resumed.state_dict(), model.state_dict())
+    assert_bitwise_equal(resumed.state_dict(), model.state_dict())
 
 
 def make_run(run: Storage, steps: list[int]) -> list[Storage]:
@@ -220,7 +200,7 @@ def test_a_partial_read_reads_only_the_blocks_it_needs(tmp_path):
 
 
 def test_the_record_round_trips_and_a_newer_version_is_refused_in_one_line():
-    record = meta(3, cursor={"epoch": 1, "in_flight": [[1, 3, 17]]}, loop_state={"min_val_bpb": float("inf")})
+    record = meta(3, loop_state=LoopState(step=3))  # min_val_bpb inf: JSON's Infinity
     assert CheckpointMeta.from_json(record.to_json()) == record
     newer = json.dumps({**json.loads(record.to_json()), "format_version": META_VERSION + 1})
     with pytest.raises(RaychatError, match="upgrade raychat") as err:
@@ -228,7 +208,7 @@ def test_the_record_round_trips_and_a_newer_version_is_refused_in_one_line():
     assert "ckpt/meta.json" in str(err.value) and "\n" not in str(err.value)
     # version 1: the dict raychat wrote before the typed record (no version, no lineage)
     old = CheckpointMeta.from_json(json.dumps({"step": 5, "model_config": {}, "world_size": 2}))
-    assert (old.step, old.world_size, old.sequence, old.format_version) == (5, 2, 0, 1)
+    assert (old.step, old.world_size, old.sequence, old.model_config) == (5, 2, 0, GPTConfig())
 
 
 def test_async_writer_writes_the_snapshot_taken_at_submit(tmp_path):
@@ -262,6 +242,22 @@ def test_saving_a_step_again_replaces_it(tmp_path):
     assert torch.equal(model["w"], torch.ones(3))
     leftovers = [n for n in os.listdir(tmp_path / "checkpoint_000003") if n.endswith((".tmp", ".done.json"))]
     assert not leftovers
+
+
+def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temporary(tmp_path):
+    """Storage.write_whole (every checkpoint file, corpus.json, a lease epoch's replacement): a reader
+    sees the old content or the new, never a torn file, and a failed write leaves nothing behind."""
+    directory = Storage(str(tmp_path / "d"))
+    directory.write_whole("f", lambda f: f.write(b"old"))
+
+    def torn(f) -> None:
+        f.write(b"half")
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        directory.write_whole("f", torn)
+    assert directory.read_bytes("f") == b"old"
+    assert os.listdir(tmp_path / "d") == ["f"]
 
 
 def test_saver_prunes_logs_the_stall_and_records_the_lineage(storage):
@@ -308,9 +304,9 @@ def test_an_old_checkpoint_is_refused_in_one_line_and_converts_to_the_same_state
     assert capsys.readouterr().out.strip() == f"converted {old}"
     assert sorted(os.listdir(old)) == ["index.json", MANIFEST_FILE, "meta.json", RANK0]
     model_state, optim_state, saved_meta = load_checkpoint(latest_valid_checkpoint(tmp_path / "run"))
-    assert_same_tree(model_state, model.state_dict())
-    assert_same_tree(optim_state["state"], optimizer.state_dict()["state"])
-    assert (saved_meta.step, saved_meta.world_size, saved_meta.format_version) == (2, 2, 1)
+    assert_bitwise_equal(model_state, model.state_dict())
+    assert_bitwise_equal(optim_state["state"], optimizer.state_dict()["state"])
+    assert (saved_meta.step, saved_meta.world_size) == (2, 2)
     with pytest.raises(RaychatError, match="nothing to do"):
         convert_main([str(old)])
 
@@ -357,3 +353,21 @@ def test_latest_and_pruning_follow_the_lineage_not_the_clock(tmp_path):
                                                         "checkpoint_000004", "checkpoint_000005"]
     assert [c.name for c in branch(copy)] == ["checkpoint_000005", "checkpoint_000004"]
     assert [read_meta(c).sequence for c in list_checkpoints(copy)] == [2, 3, 4, 5]
+
+
+def test_a_checkpoint_an_earlier_attempt_resumed_from_is_pruned_by_a_later_one(tmp_path):
+    """An attempt resumed from 3 (kept by its saver) saves 6 and 9 with --keep-checkpoints 1, which
+    prunes 6: the branch 9 -> 6 has a gap. The next attempt, resumed from 9, must still reach 3
+    and prune it (it once lay beyond the gap forever: seen in bench.goodput after node losses)."""
+    run = Storage(str(tmp_path / "run"))
+    quiet = lambda _: None  # noqa: E731
+    _save_steps(CheckpointSaver(run, keep=0, rank=0, world_size=1, log=quiet), [3])
+    _save_steps(CheckpointSaver(run, keep=1, rank=0, world_size=1, log=quiet,
+                                parent=read_meta(run.child("checkpoint_000003")),
+                                parent_name="checkpoint_000003"), [6, 9])
+    assert [c.name for c in list_checkpoints(run)] == ["checkpoint_000003", "checkpoint_000009"]
+    assert [c.name for c in branch(run)] == ["checkpoint_000009", "checkpoint_000003"]
+    _save_steps(CheckpointSaver(run, keep=1, rank=0, world_size=1, log=quiet,
+                                parent=read_meta(run.child("checkpoint_000009")),
+                                parent_name="checkpoint_000009"), [12])
+    assert [c.name for c in list_checkpoints(run)] == ["checkpoint_000009", "checkpoint_000012"]

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import assert_bitwise_equal
 
 from raychat.checkpoint.format import damage, latest_valid_checkpoint, rank_file
 from raychat.checkpoint.meta import CheckpointMeta
@@ -25,7 +26,7 @@ from raychat.checkpoint.saver import CheckpointSaver
 from raychat.checkpoint.sharded import finish_checkpoint, write_rank
 from raychat.checkpoint.shardfile import io_count
 from raychat.common import RaychatError
-from raychat.model.gpt import build_model, gpt_config
+from raychat.model.gpt import GPTConfig, build_model, gpt_config
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.storage import Storage
@@ -57,7 +58,7 @@ def save(run: Storage, model, optimizer, world: int, rank: int, gather) -> Check
     saver.prepare(STEPS)
     token = gather(f"token-{world}")[0]
     pieces, plain = state_pieces(model, optimizer, world, rank)
-    meta = CheckpointMeta(step=STEPS, model_config={}, world_size=world) if rank == 0 else None
+    meta = CheckpointMeta(step=STEPS, model_config=GPTConfig(), world_size=world) if rank == 0 else None
     saver.save(STEPS, pieces, token, meta, extra=plain, wait=True)
     return saver
 
@@ -134,22 +135,6 @@ def runs(tmp_path_factory):
     return {"tmp": tmp, "single": single, "ranks": ranks}
 
 
-def assert_bitwise(a, b) -> None:
-    """Nested state, tensors equal bit for bit (tuples and lists alike: JSON keeps no tuples)."""
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_bitwise(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_bitwise(x, y)
-    else:
-        assert a == b
-
-
 def checkpoint_bytes(directory: Path) -> int:
     files = json.loads((directory / "manifest.json").read_text())["files"]
     return sum(entry["bytes"] for entry in files.values())
@@ -157,7 +142,7 @@ def checkpoint_bytes(directory: Path) -> int:
 
 def test_saved_at_two_resumed_at_two_is_the_saved_state_bit_for_bit(runs):
     for rank in runs["ranks"]:
-        assert_bitwise(rank["resumed"], rank["reference"])
+        assert_bitwise_equal(rank["resumed"], rank["reference"])
         assert rank["continued_equal"]
 
 
@@ -165,16 +150,16 @@ def test_saved_at_two_resumed_at_one_is_the_saved_state_bit_for_bit(runs):
     directory = runs["tmp"] / "w2" / "checkpoint_000002"
     reference = runs["ranks"][0]["reference"]
     _, optim_state, _ = load_checkpoint(directory)
-    assert_bitwise(optim_state["state"], reference["state"])
+    assert_bitwise_equal(optim_state["state"], reference["state"])
     read = io_count.read
     _, optimizer, _ = resume(Storage(str(runs["tmp"] / "w2")), ["checkpoint_000002"], 1, 0, lambda obj: [obj])
     assert io_count.read - read <= 1.1 * checkpoint_bytes(directory)  # every byte about once
-    assert_bitwise(optimizer.state_dict(), reference)
+    assert_bitwise_equal(optimizer.state_dict(), reference)
 
 
 def test_saved_at_one_resumed_at_two_is_the_saved_state_bit_for_bit(runs):
     for rank in runs["ranks"]:
-        assert_bitwise(rank["from_single"], runs["single"]["reference"])
+        assert_bitwise_equal(rank["from_single"], runs["single"]["reference"])
 
 
 def test_each_rank_writes_and_reads_about_its_own_share(runs):
@@ -205,7 +190,8 @@ def test_a_save_some_rank_did_not_finish_is_never_chosen(tmp_path):
     pieces, plain = state_pieces(model, optimizer, 2, 0)
     write_rank(directory, 0, 2, "t", pieces, plain)
     with pytest.raises(RaychatError, match=r"ranks \[1\] did not finish"):
-        finish_checkpoint(directory, 2, "t", CheckpointMeta(step=5, model_config={}).to_json(), timeout_s=0.5)
+        finish_checkpoint(directory, 2, "t", CheckpointMeta(step=5, model_config=GPTConfig()).to_json(),
+                          timeout_s=0.5)
     assert "manifest" in damage(directory)
     assert latest_valid_checkpoint(run, log=lambda _: None) == run.child("checkpoint_000002")
     with pytest.raises(RaychatError, match="checkpoint_000005 .* is gone"):  # nor may a worker start from it

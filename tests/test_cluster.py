@@ -15,14 +15,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from helpers import HEALTH_CHECKS, pyproject_ray_pin
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from raychat.run.metrics import GAUGES
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10: the same parser, from PyPI
-    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_YAMLS = sorted((ROOT / "cluster").glob("*.yaml"))
@@ -39,13 +35,6 @@ def ray_up_validate(config: dict) -> dict:
     prepared = prepare_config(copy.deepcopy(config))
     validate_config(prepared)
     return prepared
-
-
-def pyproject_ray_pin() -> str:
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    pins = [d for d in deps if d.startswith("ray[")]
-    assert len(pins) == 1, pins
-    return pins[0]
 
 
 def all_commands(config: dict) -> list[str]:
@@ -136,10 +125,6 @@ def test_grafana_dashboard_charts_every_raychat_gauge():
         assert '$SessionName' in e and '$run' in e, e
 
 
-# Failure detection tuned for training (bench/RESULTS.md, "Recovery"): every config starts its head with it.
-HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
-
-
 def head_system_config(path: Path) -> tuple[list[str], dict]:
     """(the `ray start --head` command's words, its --system-config) in a cluster config: the
     launcher YAMLs' head_start_ray_commands, the KubeRay head's rayStartParams (flags to ray start)."""
@@ -161,6 +146,7 @@ def test_heads_start_with_failure_detection_tuned_for_training(path):
     assert system_config == HEALTH_CHECKS, system_config
 
 
+@pytest.mark.ray  # it starts a Ray head of its own: not for the unit tier
 def test_the_h100_heads_command_reaches_a_real_head(tmp_path):
     """`ray start` as cluster/h100.yaml runs it on the head (its environment, flags and system config;
     a free port instead of 6379 and no fixed ports or autoscaler file, which this machine lacks),

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from core_bundle import write_word_bundle
-from test_train import log_lines, one_error_line, run_train, tiny_flags
+from helpers import log_lines, one_error_line, run_train, tiny_flags
 
 from raychat.checkpoint.format import read_meta
 from raychat.storage import Storage
@@ -44,7 +44,7 @@ def test_the_loop_logs_reports_and_saves_core(core_run):
     final = float(lines[-1].group(2))
     assert f"CORE metric     : {final:.4f}" in out  # the last step's report reached the driver
     meta = read_meta(Storage(str(storage)).child("core", "checkpoint_000004"))
-    assert round(meta.loop_state["core_metric"], 4) == final
+    assert round(meta.loop_state.core_metric, 4) == final
 
 
 def test_evaluate_core_agrees_with_the_loop_at_any_worker_count(ray_session, core_run, tiny_corpus):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import REPO, run_corpus_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,14 +34,6 @@ from raychat.corpus.sample import write_sample_corpus
 from raychat.corpus.writer import CorpusWriter
 from raychat.data.budget import budget_lines, corpus_budget, train_text_bytes
 from raychat.tokenizer.core import Tokenizer
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run_corpus_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "raychat.corpus", *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=120)
 
 
 def all_texts(index: CorpusIndex, split: str) -> list[str]:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from trace_audit import expand
 
 from raychat.data.cursor import (
+    Cursor,
     DocFeed,
     RankCursor,
     RankSequence,
@@ -54,7 +55,7 @@ def doc_tokens(doc_id) -> np.ndarray:
 class SimRank:
     """One rank as TrainLoader runs it, with tokens made up from the doc ids."""
 
-    def __init__(self, corpus: FakeCorpus, merged: dict | None, rank: int, world_size: int):
+    def __init__(self, corpus: FakeCorpus, merged: Cursor | None, rank: int, world_size: int):
         self.sequence = RankSequence(rank_cursor(merged, rank, world_size, corpus.unit_at), corpus.unit_at)
         batches = ((k, [doc_tokens(d) for d in s.doc_ids()]) for k, s in enumerate(self.sequence.sources()))
         self.feed = DocFeed(self.sequence, batches)
@@ -64,8 +65,14 @@ class SimRank:
         rows = np.zeros((n, CAPACITY), dtype=np.int64)
         return rows, self.packer.fill(rows, self.feed)
 
-    def state(self) -> dict:
-        return self.feed.cursor(self.packer.buffered_ids()).to_json()
+    def state(self) -> RankCursor:
+        return self.feed.cursor(self.packer.buffered_ids())
+
+
+def merged_through_json(corpus: FakeCorpus, ranks: list[SimRank]) -> Cursor:
+    """The ranks' merged cursor through JSON, as a checkpoint stores it."""
+    merged = merge_cursor([rank.state() for rank in ranks], len(corpus.rows), corpus.seed)
+    return Cursor.from_dict(json.loads(json.dumps(merged.to_dict())))
 
 
 def run_segment(corpus, merged, world_size, steps, consumed):
@@ -73,18 +80,17 @@ def run_segment(corpus, merged, world_size, steps, consumed):
     for _ in range(steps):
         for rank in ranks:
             consumed += rank.rows(1)[1]
-    # Through JSON, as a checkpoint stores it.
-    return json.loads(json.dumps(merge_cursor([rank.state() for rank in ranks])))
+    return merged_through_json(corpus, ranks)
 
 
 def assert_every_doc_once(corpus, merged, consumed):
     """Below the frontier every document is consumed, in flight or in an unstarted unit: once."""
-    in_flight = list(expand(merged["in_flight"]))
-    unstarted = [d for p in merged["unstarted"] for e, u, n in [corpus.unit_at(p)] for d in
+    in_flight = list(expand(merged.in_flight))
+    unstarted = [d for p in merged.unstarted for e, u, n in [corpus.unit_at(p)] for d in
                  ((e, u, r) for r in range(n))]
     everything = consumed + in_flight + unstarted
     assert len(everything) == len(set(everything)), "a document is in two places"
-    assert set(everything) == corpus.docs_below(merged["frontier"])
+    assert set(everything) == corpus.docs_below(merged.frontier)
 
 
 def test_runs_round_trip_and_split():
@@ -101,10 +107,10 @@ def test_merge_and_redeal_by_hand():
     # 0's) are below it but unstarted.
     def unit_at(p):
         return 1 + p // 10, p % 10, 4
-    states = [RankCursor(1, 2, 7, [[1, 1, 0, 2]]).to_json(), RankCursor(0, 2, 4, [[1, 0, 3, 5]]).to_json()]
-    merged = merge_cursor(states)
-    assert merged["frontier"] == 7 and merged["unstarted"] == [4, 6]
-    assert merged["in_flight"] == [[1, 0, 3, 5], [1, 1, 0, 2]]
+    states = [RankCursor(1, 2, 7, [[1, 1, 0, 2]]), RankCursor(0, 2, 4, [[1, 0, 3, 5]])]
+    merged = merge_cursor(states, num_units=10, shuffle_seed=None)
+    assert (merged.frontier, merged.epoch, merged.unstarted) == (7, 1, [4, 6])
+    assert merged.in_flight == [[1, 0, 3, 5], [1, 1, 0, 2]]
     # Same world size: each rank gets exactly its own state back.
     assert rank_cursor(merged, 1, 2, unit_at) == RankCursor(1, 2, 7, [[1, 1, 0, 2]])
     # Three ranks: 2 + 2 + 4 + 4 = 12 owed docs, 4 each, contiguous; units resume at 7, 8, 9.
@@ -117,14 +123,14 @@ def test_merge_and_redeal_by_hand():
 
 def test_merge_rejects_missing_ranks():
     with pytest.raises(ValueError, match="one state per rank"):
-        merge_cursor([RankCursor(0, 3, 0, []).to_json(), RankCursor(2, 3, 2, []).to_json()])
+        merge_cursor([RankCursor(0, 3, 0, []), RankCursor(2, 3, 2, [])], num_units=10, shuffle_seed=None)
 
 
 def test_state_names_buffer_then_rest_of_unit_then_next_unit():
     corpus = FakeCorpus(6, seed=3)
     rank = SimRank(corpus, None, rank=1, world_size=2)
     rank.rows(2)
-    cursor = RankCursor.from_json(rank.state())
+    cursor = rank.state()
     k, taken = rank.feed._source_k, rank.feed._taken
     rest = rank.sequence.source(k).doc_ids()[taken:]
     assert list(expand(cursor.pending)) == rank.packer.buffered_ids() + rest
@@ -139,7 +145,7 @@ def test_same_world_size_resume_gives_the_same_rows():
     for rank in first:
         for _ in range(4):
             rank.rows(2)
-    merged = json.loads(json.dumps(merge_cursor([rank.state() for rank in first])))
+    merged = merged_through_json(corpus, first)
     resumed = [SimRank(corpus, merged, r, 3) for r in range(3)]
     for r, rank in enumerate(resumed):
         for step in range(4, 9):
@@ -163,7 +169,7 @@ def test_two_epochs_at_changing_sizes_consume_each_epoch_once():
     merged, consumed = None, []
     for world_size, steps in [(2, 5), (3, 4), (1, 9), (4, 3), (2, 6)]:
         merged = run_segment(corpus, merged, world_size, steps, consumed)
-    assert merged["frontier"] >= 2 * 5
+    assert merged.frontier >= 2 * 5
     assert_every_doc_once(corpus, merged, consumed)
     epochs = {e for e, _, _ in consumed}
     assert {1, 2} <= epochs

@@ -2,163 +2,20 @@
 (the dataset API, paths-info, `resolve` with HEAD/GET/Range), selected with HF_ENDPOINT: pinning to a
 commit, resuming, rejecting corrupted and truncated files, the unreachable-endpoint error, the CLI."""
 
-import hashlib
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlparse
 
 import pytest
+from helpers import COMMIT, NUM_TRAIN, REPO, VAL_DOCS, HubServer
 
 from raychat.common import RaychatError
 from raychat.corpus.download import MAX_SHARD, REPO_ID, download_shards
-from raychat.corpus.fixture import synthetic_texts, write_synthetic_corpus
+from raychat.corpus.fixture import synthetic_texts
 from raychat.corpus.index import CorpusIndex, list_shards, read_corpus_meta, read_unit_texts, shard_filename
-
-REPO = Path(__file__).resolve().parents[1]
-NUM_TRAIN = 3
-VAL_DOCS = 10_000
-CUT = 1000  # a dropped or stalled transfer stops this many bytes before the end
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-@pytest.fixture(scope="module")
-def served_files(tmp_path_factory) -> dict[str, bytes]:
-    """ClimbMix-named files: train shards 0..2 and the val shard 6542, from a synthetic corpus. The val
-    shard is ~15 MB, larger than the chunks huggingface_hub writes (10 MiB), so a transfer cut near its
-    end leaves bytes on disk to resume from."""
-    made = tmp_path_factory.mktemp("served")
-    write_synthetic_corpus(made, num_docs=3 * 1100 + VAL_DOCS, seed=9, docs_per_shard=1100, val_docs=VAL_DOCS)
-    paths = [path for _, path in list_shards(made)]
-    names = [shard_filename(i) for i in range(NUM_TRAIN)] + [shard_filename(MAX_SHARD)]
-    return {name: path.read_bytes() for name, path in zip(names, paths, strict=True)}
-
-
-class HubServer:
-    """A Hub for one dataset at one commit (`main` points to it). `misbehave(name, n)` picks what the
-    n-th GET of a file gets: "corrupt" (same length, other bytes), "truncate" (half, with a matching
-    Content-Length), "drop" (the full Content-Length, all but the last CUT bytes, then the connection
-    closes) or "stall" (all but CUT bytes, then nothing until `release` is set). Records every request."""
-
-    def __init__(self, files: dict[str, bytes], misbehave=lambda name, n: None):
-        self.files, self.misbehave = files, misbehave
-        self.requests: list[tuple[str, str, str | None, str | None]] = []  # method, path, Range, auth
-        self.lock = threading.Lock()
-        self.stalled, self.release = threading.Event(), threading.Event()
-        server = self
-
-        def entry(name: str) -> dict:
-            data = server.files[name]
-            return {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest(),
-                    "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}}
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):  # keep test output clean
-                pass
-
-            def send_json(self, value) -> None:
-                body = json.dumps(value).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def record(self) -> str:
-                path = unquote(urlparse(self.path).path)
-                with server.lock:
-                    server.requests.append((self.command, path, self.headers.get("Range"),
-                                            self.headers.get("Authorization")))
-                return path
-
-            def do_POST(self):
-                path = self.record()
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
-                if path == f"/api/datasets/{REPO_ID}/paths-info/{COMMIT}":
-                    asked = parse_qs(body).get("paths", [])
-                    return self.send_json([entry(name) for name in asked if name in server.files])
-                self.send_error(404)
-
-            def do_HEAD(self):
-                self.resolve(self.record(), body=False)
-
-            def do_GET(self):
-                path = self.record()
-                if path in (f"/api/datasets/{REPO_ID}/revision/{rev}" for rev in ("main", COMMIT)):
-                    return self.send_json({"id": REPO_ID, "sha": COMMIT,
-                                           "siblings": [{"rfilename": name} for name in server.files]})
-                if path == f"/api/datasets/{REPO_ID}/tree/{COMMIT}":
-                    return self.send_json([entry(name) for name in server.files])
-                self.resolve(path, body=True)
-
-            def resolve(self, path: str, body: bool):
-                prefix = f"/datasets/{REPO_ID}/resolve/"
-                revision, _, name = path.removeprefix(prefix).partition("/")
-                if not path.startswith(prefix) or revision not in ("main", COMMIT)\
-                        or name not in server.files:
-                    self.send_error(404)
-                    return
-                data = server.files[name]
-                action = None
-                if body:
-                    with server.lock:
-                        number = sum(1 for m, p, _, _ in server.requests if m == "GET" and p == path)
-                    action = server.misbehave(name, number)
-                if action == "corrupt":
-                    data = bytes(b ^ 0xFF for b in data[:64]) + data[64:]
-                start = 0
-                if body and self.headers.get("Range"):
-                    start = int(self.headers["Range"].removeprefix("bytes=").split("-")[0])
-                    self.send_response(206)
-                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-                else:
-                    self.send_response(200)
-                payload = data[start:]
-                if action == "truncate":
-                    payload = payload[:len(payload) // 2]
-                self.send_header("Content-Length", str(len(payload)))
-                self.send_header("ETag", f'"{hashlib.sha256(server.files[name]).hexdigest()}"')
-                self.send_header("X-Repo-Commit", COMMIT)
-                self.end_headers()
-                if not body:
-                    return
-                if action in ("drop", "stall"):
-                    self.wfile.write(payload[:-CUT])
-                    self.wfile.flush()
-                    if action == "stall":
-                        server.stalled.set()
-                        server.release.wait(60)
-                    self.close_connection = True
-                    return
-                self.wfile.write(payload)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> "HubServer":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=10)
-
-    def gets(self, name: str) -> list[str | None]:
-        """The Range header of every GET of a file (None: from the start)."""
-        return [rng for method, path, rng, _ in self.requests
-                if method == "GET" and path.endswith("/" + name)]
 
 
 def resumed_from(range_header: str | None) -> int:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
+from helpers import HEALTH_CHECKS, VAL_LINE, log_lines, tiny_flags
 from ray.job_submission import JobStatus, JobSubmissionClient
-from test_train import VAL_LINE, log_lines, tiny_flags
 from trace_audit import assert_epoch1_exactly_once, attempts_by_step, read_trace, world_sizes_by_attempt
 
 from bench.multinode import node_of_pid, stop_processes_under
@@ -45,12 +45,13 @@ BPB_TOLERANCE = 0.3
 
 @pytest.fixture(scope="module")
 def cluster():
+    """A head and three 1-CPU nodes, the head detecting a lost node as a shipped head does (~3 s)."""
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1",
         "dashboard_port": free_port(), "metrics_export_port": free_port(),
-        "object_store_memory": 150 * 2**20})
+        "object_store_memory": 150 * 2**20, "_system_config": HEALTH_CHECKS})
     nodes = [c.add_node(**NODE, metrics_export_port=free_port()) for _ in range(3)]
     session_dir = c.head_node.get_session_dir_path()
     try:
@@ -74,13 +75,13 @@ def submit(client: JobSubmissionClient, **job) -> str:
 
 
 def test_each_kind_of_restart_gets_its_own_line():
-    from raychat.run.elastic import describe_attempt
+    from raychat.run.elastic import Attempt, describe_attempt
 
     def previous(**kw):
-        return {"attempt": 1, "last_step": 29, "world_size": 3, "planned_step": None, "notice_step": None,
-                **kw}
+        return Attempt(**{"attempt": 1, "last_step": 29, "world_size": 3, "planned_step": None,
+                          "notice_step": None, "last_progress": None, "noticed": None, **kw})
 
-    assert describe_attempt({**previous(), "attempt": 0}, 0, 3, None).line is None
+    assert describe_attempt(previous(attempt=0), 0, 3, None).line is None
     lost = describe_attempt(previous(), 20, 2, "checkpoint_000020")
     assert (lost.kind, lost.redone_steps) == ("failure", 10)
     assert lost.line == "Lost 1 worker(s): continuing on 2 from step 20 (checkpoint_000020); 10 steps redone"
@@ -177,7 +178,7 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, ray_session, tiny_corpus, 
     assert_epoch1_exactly_once(trace, data_dir, final.cursor)
     # Only the failure redid steps: each step trained by more than one attempt lies before the grow.
     redone = sorted(s for s, attempts in attempts_by_step(trace).items() if len(attempts) > 1)
-    assert len(redone) == final.loop_state["redone_steps"]
+    assert len(redone) == final.loop_state.redone_steps
     # The grow redoes nothing of the attempt it grew from (it may start below the failed attempt's
     # last step when the shrunk attempt grew before catching up: those steps are the failure's).
     by_step = attempts_by_step(trace)

@@ -14,8 +14,10 @@ from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.nanochat import MODEL_CONFIG_KEYS, load_nanochat_checkpoint, nanochat_keys
 from raychat.checkpoint.sharded import save_checkpoint
 from raychat.common import RaychatError
+from raychat.config import TrainConfig
 from raychat.export import main
 from raychat.model.gpt import GPTConfig, build_model
+from raychat.scaling import resolve_plan
 from raychat.storage import Storage
 from raychat.tokenizer.core import Tokenizer
 
@@ -40,10 +42,11 @@ def run(tiny_corpus, tmp_path):
     config = GPTConfig(sequence_len=32, vocab_size=tokenizer.vocab_size, n_layer=3, n_head=2, n_kv_head=1,
                        n_embd=64, window_pattern="SL")
     model = trained_looking_model(config, seed=0)
-    meta = CheckpointMeta(step=STEP, model_config=dataclasses.asdict(config), vocab_size=tokenizer.vocab_size,
+    flags = TrainConfig(model_tag="tiny", depth=3, max_seq_len=32, device_batch_size=4, total_batch_size=1024,
+                        num_iterations=10, embedding_lr=0.3)
+    meta = CheckpointMeta(step=STEP, model_config=config, vocab_size=tokenizer.vocab_size,
                           tokenizer_fingerprint=tokenizer.fingerprint, val_bpb=2.5,
-                          plan={"total_batch_size": 1024},
-                          user_config={"model_tag": "tiny", "device_batch_size": 4, "embedding_lr": 0.3})
+                          plan=resolve_plan(flags, tokenizer.vocab_size, world_size=1), user_config=flags)
     storage = tmp_path / "runs"
     directory = Storage(str(storage)).child("r", checkpoint_dir_name(STEP))
     save_checkpoint(directory, model.state_dict(), None, meta.to_json())
@@ -156,7 +159,7 @@ def test_a_run_starts_from_nanochats_weights_and_a_rerun_resumes_its_own(ray_ses
     """`--init-from-nanochat` through the real entry point: with every learning rate flag 0, the run's
     one step leaves the weights as nanochat's file holds them, bit for bit; the same command again
     resumes the run's own checkpoint instead."""
-    from test_train import TINY, run_train, tiny_flags
+    from helpers import TINY, run_train, tiny_flags
 
     from raychat.checkpoint.format import latest_valid_checkpoint
     from raychat.checkpoint.reader import load_checkpoint

@@ -24,6 +24,7 @@ from raychat.corpus.index import CorpusIndex, read_unit_texts
 from raychat.corpus.writer import CorpusWriter
 from raychat.data.loader import _raise_read_failure
 from raychat.faults import StorageUnavailable, is_missing, is_transient, retry_transient
+from raychat.model.gpt import GPTConfig
 from raychat.storage import Storage
 
 DOCS = [f"document {i}: " + "words " * (i % 7) for i in range(120)]
@@ -266,7 +267,7 @@ def test_a_read_task_failure_is_raised_as_what_it_is():
 def test_checkpoint_reads_and_writes_sort_their_faults(proxy, direct_client, s3_endpoint, tmp_path):
     run = f"ckpt-{time.time_ns()}"
     state = {"w": torch.arange(4096, dtype=torch.float32)}
-    meta = CheckpointMeta(step=3, model_config={"n_layer": 1})
+    meta = CheckpointMeta(step=3, model_config=GPTConfig(n_layer=1))
     save_checkpoint(Storage(s3_uri(s3_endpoint, run)), state, None, meta.to_json())
     # A rank file's reads meet 503s and resets: retried, never taken for damage (which would
     # resume an older checkpoint).

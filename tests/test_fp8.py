@@ -77,7 +77,7 @@ def test_training_mode_rounds_to_fp8_and_eval_mode_does_not():
     assert (trained - plain(x)).abs().amax() > 1e-4
 
 
-META = CheckpointMeta(step=1, model_config={}).to_json()
+META = CheckpointMeta(step=1, model_config=GPTConfig()).to_json()
 
 
 def test_checkpoints_load_with_and_without_fp8(tmp_path):

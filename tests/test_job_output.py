@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import STEP_LINE, VAL_LINE, run_train, submit_job, tiny_flags
 from ray._private.worker import print_to_stdstream
-from test_train import STEP_LINE, VAL_LINE, run_train, submit_job, tiny_flags
 
 from raychat.run.console import MARK, log_line, print_batch
 from raychat.run.runtime_env import QUIET_HOOK, worker_runtime_env

@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from test_cluster import pyproject_ray_pin
+from helpers import pyproject_ray_pin
 
 from raychat.config import add_config_flags, config_from_args
 

@@ -36,6 +36,7 @@ from raychat.checkpoint.resume import candidates
 from raychat.checkpoint.saver import CheckpointSaver
 from raychat.checkpoint.sharded import Piece, save_checkpoint
 from raychat.common import RaychatError
+from raychat.model.gpt import GPTConfig
 from raychat.run.lease import STALE_AFTER_BEATS, RunLease
 from raychat.storage import Storage
 
@@ -48,7 +49,7 @@ def _pieces(step: int) -> list[Piece]:
 
 
 def _save(saver: CheckpointSaver, step: int, session: str = "s") -> None:
-    meta = CheckpointMeta(step=step, model_config={}, session=session)
+    meta = CheckpointMeta(step=step, model_config=GPTConfig(), session=session)
     saver.save(step, _pieces(step), f"token{step}", meta, extra={}, wait=True)
 
 
@@ -173,8 +174,8 @@ def test_a_superseded_writer_writes_nothing_and_what_slipped_through_is_never_ch
     assert [c.name for c in branch(run)] == ["checkpoint_000030", "checkpoint_000020", "checkpoint_000010"]
 
     # The late checkpoint: epoch 1's, numbered after the takeover's resume point, whole on storage.
-    late = CheckpointMeta(step=50, model_config={}, session="old", sequence=4, parent="checkpoint_000030",
-                          lease_epoch=1)
+    late = CheckpointMeta(step=50, model_config=GPTConfig(), session="old", sequence=4,
+                          parent="checkpoint_000030", lease_epoch=1)
     save_checkpoint(run.child("checkpoint_000050"), {"w": torch.zeros(4)}, None, late.to_json())
     assert damage(run.child("checkpoint_000050")) is None
     assert latest_valid_checkpoint(run).name == "checkpoint_000030"
@@ -281,7 +282,7 @@ def test_a_run_from_before_leases_never_falls_back_onto_its_abandoned_branch(tmp
     history = [(10, 1, None), (20, 2, "checkpoint_000010"), (30, 3, "checkpoint_000020"),
                (15, 4, "checkpoint_000010"), (25, 5, "checkpoint_000015")]
     for step, sequence, parent in history:
-        meta = CheckpointMeta(step=step, model_config={}, sequence=sequence, parent=parent)
+        meta = CheckpointMeta(step=step, model_config=GPTConfig(), sequence=sequence, parent=parent)
         save_checkpoint(run.child(checkpoint_dir_name(step)), {"w": torch.full((4,), float(step))}, None,
                         meta.to_json())
     run.child("checkpoint_000015").write_bytes(META_FILE, b"{torn")

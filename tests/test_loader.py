@@ -17,7 +17,7 @@ from trace_audit import expand
 from raychat.common import RaychatError
 from raychat.corpus.fixture import write_synthetic_corpus
 from raychat.corpus.index import CorpusIndex, read_unit_texts
-from raychat.data.cursor import UnitSchedule
+from raychat.data.cursor import Cursor, RankCursor, UnitSchedule
 from raychat.data.loader import TrainLoader, merge_cursor
 from raychat.data.packer import BestFitPacker
 from raychat.data.validation import pack_validation_rows
@@ -86,6 +86,12 @@ def test_rows_are_the_packed_documents_of_the_units_in_order(corpus, ray_session
     assert (got == direct_rows(tokenizer, epochs, len(got))).all()
 
 
+def through_json(ranks: list[TrainLoader]) -> Cursor:
+    """The ranks' merged cursor through JSON, as a checkpoint stores it."""
+    merged = merge_cursor([loader.state() for loader in ranks], ranks[0].num_units, ranks[0].shuffle_seed)
+    return Cursor.from_dict(json.loads(json.dumps(merged.to_dict())))
+
+
 def test_same_world_size_resume_gives_identical_batches(corpus, ray_session):
     index, tokenizer_dir = corpus
     # With a shuffled unit order (seed 7), as the trainer may run.
@@ -94,7 +100,7 @@ def test_same_world_size_resume_gives_identical_batches(corpus, ray_session):
     for loader in ranks:
         collect(loader, 6)
         positions.append(loader.position())
-    merged = json.loads(json.dumps(merge_cursor([loader.state() for loader in ranks])))
+    merged = through_json(ranks)
     expected = [collect(loader, 12)[0] for loader in ranks]
     assert [loader.position() for loader in ranks] != positions     # the frontier moved on
     for loader in ranks:
@@ -113,18 +119,18 @@ def test_resume_on_one_rank_consumes_every_document_once(corpus, ray_session):
     ranks = [TrainLoader(index, tokenizer_dir, T, r, 2, buffer_size=BUFFER) for r in range(2)]
     for loader in ranks:
         consumed += collect(loader, 8)[1]
-    merged = json.loads(json.dumps(merge_cursor([loader.state() for loader in ranks])))
+    merged = through_json(ranks)
     for loader in ranks:
         loader.close()
-    assert merged["in_flight"], "the test needs documents in flight at the resize"
-    handed_over = set(expand(merged["in_flight"]))
+    assert merged.in_flight, "the test needs documents in flight at the resize"
+    handed_over = set(expand(merged.in_flight))
     with TrainLoader(index, tokenizer_dir, T, 0, 1, cursor=merged, buffer_size=BUFFER) as single:
         # Run until the frontier is well into epoch 2: every epoch-1 unit has been read by then.
         while single.position()[0] < 2 or len(consumed) < len(epoch_one):
             consumed += collect(single, 10)[1]
-        final = merge_cursor([single.state()])
+        final = merge_cursor([single.state()], single.num_units, single.shuffle_seed)
     assert len(consumed) == len(set(consumed)), "a document was trained on twice"
-    in_flight = set(expand(final["in_flight"]))
+    in_flight = set(expand(final.in_flight))
     assert not in_flight & set(consumed)
     # Every epoch-1 document is trained on exactly once, or still waiting in the packer's buffer.
     assert {d for d in consumed if d[0] == 1} | {d for d in in_flight if d[0] == 1} == epoch_one
@@ -146,16 +152,17 @@ def test_schedule_visits_every_unit_once_per_epoch(corpus):
 
 def test_cursor_from_another_corpus_is_refused(corpus):
     index, tokenizer_dir = corpus
-    state = {"rank": 0, "world_size": 1, "next_position": 0, "pending": [], "num_units": 99,
-             "shuffle_seed": None}
+    cursor = merge_cursor([RankCursor(rank=0, world_size=1, next_position=0, pending=[])], num_units=99,
+                          shuffle_seed=None)
     with pytest.raises(RaychatError, match="99 train row groups"):
-        TrainLoader(index, tokenizer_dir, T, 0, 1, cursor=merge_cursor([state]))
+        TrainLoader(index, tokenizer_dir, T, 0, 1, cursor=cursor)
 
 
 def test_validation_rows_are_the_val_split_packed_in_order_at_most_one_pass(corpus):
     index, tokenizer_dir = corpus
     tokenizer = Tokenizer.load(tokenizer_dir)
-    # The packer's buffer reads the split again (pass 2 and on) to stay full, as val_loader does ...
+    # The packer's buffer reads the split again (pass 2 and on) to stay full, as nanochat's val loader
+    # does ...
     expected = direct_rows(tokenizer, [(unit, None) for _ in range(4) for unit in index.val], 120)
     assert (pack_validation_rows(index, tokenizer_dir, T, 7, BUFFER) == expected[:7]).all()
     # ... but asked for more rows than the split's documents fill, it stops at the row that has

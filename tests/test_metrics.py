@@ -9,8 +9,14 @@ import pytest
 from raychat.common import RaychatError
 from raychat.run.metrics import (
     GAUGES,
+    AttemptStarted,
+    LogLines,
     Publisher,
     RayMetrics,
+    Record,
+    Reported,
+    Sink,
+    StepDone,
     StepMetrics,
     WandbLogger,
     counts_toward_total_time,
@@ -82,7 +88,7 @@ def test_one_record_reaches_the_line_wandb_and_the_metrics_log(wandb_env, monkey
     lines: list[str] = []
     run = Storage(str(tmp_path / "runs" / "r"))
     wandb_run = WandbLogger("fanout")
-    publisher = Publisher(lines.append, wandb=wandb_run, metrics_log=MetricsLog(run))
+    publisher = Publisher([LogLines(lines.append), wandb_run, MetricsLog(run)])
     steps = [record(step=s, num_iterations=200, loss=5.0 - s / 100, mfu=None, eta_s=None)
              for s in (99, 100, 101)]
     for m in steps:
@@ -106,6 +112,45 @@ def test_one_record_reaches_the_line_wandb_and_the_metrics_log(wandb_env, monkey
     assert timeline.steps[1]["tokens_so_far"] == 101 * 2**19
     assert [(e["step"], e["val_bpb"]) for e in timeline.evals] == [(102, 1.75)]
     assert timeline.samples[0]["samples"] == ["The capital of France is Paris"]
+
+
+class Recorded(Sink):
+    """A sink that keeps what it is handed."""
+
+    def __init__(self):
+        self.records: list[Record] = []
+        self.flushes = 0
+
+    def publish(self, record: Record) -> None:
+        self.records.append(record)
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def test_every_sink_in_the_list_gets_every_typed_record(tmp_path):
+    """A sink is one class in the publisher's list: it gets the attempt's start, each step's StepMetrics
+    with the run's goodput and seconds outside steps, and the report, in the order they happen; the
+    metrics log beside it writes the same start time and report."""
+    run = Storage(str(tmp_path / "r"))
+    first, second = Recorded(), Recorded()
+    publisher = Publisher([first, MetricsLog(run), second])
+    publisher.start([], step=0, world_size=1)
+    m = record(step=0)
+    publisher.step(m)
+    publisher.report({"step": 0, "val_bpb": 1.5})
+    publisher.flush()
+
+    assert first.records == second.records and first.flushes == second.flushes == 1
+    started, step, report = first.records
+    assert isinstance(started, AttemptStarted) and started.fields == {"step": 0, "world_size": 1}
+    assert isinstance(step, StepDone) and step.metrics is m and step.goodput is not None
+    assert step.so_far == {"eval_s_so_far": 0.0, "checkpoint_s_so_far": 0.0}
+    assert isinstance(report, Reported) and report.metrics["val_bpb"] == 1.5
+    assert report.metrics["loss"] == m.loss and "goodput" in report.metrics
+    timeline = read_timeline(run)
+    assert timeline.starts[0]["time"] == started.time
+    assert timeline.last_report["val_bpb"] == 1.5 and timeline.last_report["eval_s_so_far"] == 0.0
 
 
 # The gauges of a real run reaching each node's Prometheus endpoint, through a resize, are checked in

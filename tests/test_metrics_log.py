@@ -25,7 +25,7 @@ def test_restarted_attempts_leave_the_final_timeline(storage):
     run = Storage(storage).child("r")
     assert read_timeline(run) is None  # no log yet: the report says so
     attempt(run, 0, 10, [0, 5], "first")  # checkpoint at 6, killed after step 9
-    if run.is_local:  # killed in the middle of a write: a torn last line
+    if run.appends_in_place:  # killed in the middle of a write: a torn last line
         with open(run.path(METRICS_FILE), "a") as f:
             f.write('{"kind": "step", "step": 10, "lo')
     attempt(run, 6, 12, [10], "second")  # resumed from step 6, killed after 11
@@ -36,7 +36,7 @@ def test_restarted_attempts_leave_the_final_timeline(storage):
         + [(12, "third"), (13, "third")])
     assert [(e["step"], e["tag"]) for e in timeline.evals] == [(0, "first"), (5, "first"), (10, "second")]
     assert [s["tag"] for s in timeline.starts] == ["first", "second", "third"]
-    if run.is_local:  # the torn line was closed off: the next attempt's records are whole
+    if run.appends_in_place:  # the torn line was closed off: the next attempt's records are whole
         lines = run.read_text(METRICS_FILE).splitlines()
         assert sum(1 for line in lines if line.startswith('{"kind": "step", "step": 10, "lo')) == 1
         assert json.loads(lines[-1])["tag"] == "third"

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import assert_bitwise_equal
 
 from raychat.model.gpt import build_model, gpt_config
 from raychat.optim.muon_adamw import build_optimizer
@@ -155,23 +156,6 @@ def assert_same(a: dict, b: dict, atol: float = 0.0) -> None:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=name)
 
 
-def assert_same_state(a, b) -> None:
-    """Nested dicts/lists of tensors and plain values, equal bit for bit."""
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_same_state(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same_state(x, y)
-    else:
-        assert a == b
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_data_parallel_matches_one_process(runs, world):
     initial, expected = runs[1]["initial"], runs[1]["data_parallel"]
@@ -185,9 +169,10 @@ def test_data_parallel_matches_one_process(runs, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_state_dict_is_full_and_identical_on_every_rank(runs, world):
     for rank_result in runs[world][1:]:
-        assert_same_state(rank_result["saved_optim"], runs[world][0]["saved_optim"])
+        assert_bitwise_equal(rank_result["saved_optim"], runs[world][0]["saved_optim"])
     # full logical tensors, the same as one process holds, whatever the world size
-    assert_same_state(runs[world][0]["saved_optim"]["param_groups"], runs[1]["saved_optim"]["param_groups"])
+    groups = runs[world][0]["saved_optim"]["param_groups"]
+    assert_bitwise_equal(groups, runs[1]["saved_optim"]["param_groups"])
     state, reference = runs[world][0]["saved_optim"]["state"], runs[1]["saved_optim"]["state"]
     assert state.keys() == reference.keys()
     for name in state:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
-from test_train import tiny_flags
+from helpers import tiny_flags
 
 from raychat.run.metrics import GAUGES
 

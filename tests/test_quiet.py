@@ -6,12 +6,12 @@ import logging
 import warnings
 
 import pytest
-from test_train import STEP_LINE, VAL_LINE, log_lines, run_train, tiny_flags
+from helpers import STEP_LINE, VAL_LINE, log_lines, run_train, tiny_flags
 
 from raychat.run import quiet
 from raychat.run.console import print_batch
 from raychat.run.driver import ray_line
-from raychat.run.ray_internals import PROGRESS_NOTICE, TOKEN_AUTH_LOGGER
+from raychat.run.ray_internals import PROGRESS_NOTICE, TOKEN_AUTH_LOGGER, ray_data_console_handlers
 
 CHATTER = ["Reporting training result", "registers for logging", "execution finished",
            "Starting execution of Dataset", "exclude_resources"]
@@ -42,7 +42,7 @@ def restored_logging():
 
     chatty = [*quiet.chatty_loggers(), logging.getLogger(TOKEN_AUTH_LOGGER)]
     progress = logging.getLogger(PROGRESS_NOTICE[0])
-    handlers = [h for h in logging.getLogger("ray.data").handlers if isinstance(h, logging.StreamHandler)]
+    handlers = ray_data_console_handlers()
     levels = ([logger.level for logger in chatty], [h.level for h in handlers], list(progress.filters))
     with warnings.catch_warnings():
         yield chatty, handlers

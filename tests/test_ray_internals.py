@@ -5,6 +5,7 @@ These fail with the installed Ray version in the message, so an upgrade that mov
 
 import importlib
 import inspect
+import logging
 
 import pytest
 import ray
@@ -102,6 +103,18 @@ def test_the_loggers_of_rays_chatter_still_say_it():
     name, prefix = internals.PROGRESS_NOTICE
     _, source = _logger_of(name)
     assert prefix in source, f"{name} no longer says {prefix!r} ({NEEDED})"
+
+
+def test_ray_datas_console_is_a_stream_handler_beside_its_file_handler():
+    """raychat.run.quiet raises Ray Data's console handler to WARNING and leaves its file handler at
+    INFO: the console is the one StreamHandler, the file handler is not one."""
+    import ray.data  # noqa: F401  (configures the logger)
+
+    internals = _module("raychat.run.ray_internals")
+    handlers = logging.getLogger(internals.RAY_DATA_LOGGER).handlers
+    console = internals.ray_data_console_handlers()
+    assert len(console) == 1 and len(handlers) == 2, f"Ray Data's handlers changed: {handlers} ({NEEDED})"
+    assert any(type(h).__name__ == "SessionFileHandler" for h in handlers if h not in console), NEEDED
 
 
 def test_rays_preemption_watcher_is_still_created_so():

@@ -4,7 +4,7 @@ own numbers; a rerun that extends the run is marked; a snapshot of a run still g
 import json
 
 import pytest
-from test_train import STEP_LINE, VAL_LINE, log_lines, run_train, tiny_flags
+from helpers import STEP_LINE, VAL_LINE, log_lines, run_train, tiny_flags
 
 from raychat.report.__main__ import main as report_main
 from raychat.report.document import build_report

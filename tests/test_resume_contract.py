@@ -12,7 +12,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_train import STEP_LINE, all_files, log_lines, one_error_line, run_train, tiny_flags
+from helpers import STEP_LINE, all_files, log_lines, one_error_line, run_train, tiny_flags
 
 from raychat.checkpoint import fence
 from raychat.checkpoint.format import list_checkpoints, read_meta
@@ -74,7 +74,7 @@ def test_resumed_optimizer_keeps_the_rates_it_was_built_with(tmp_path):
     optimizer.step()
     saver = CheckpointSaver(Storage(str(tmp_path)), keep=0, rank=0, world_size=1, log=lambda _: None)
     pieces, plain = state_pieces(model, optimizer, 1, 0)
-    saver.save(1, pieces, "token", CheckpointMeta(step=1, model_config={}), extra=plain, wait=True)
+    saver.save(1, pieces, "token", CheckpointMeta(step=1, model_config=GPTConfig()), extra=plain, wait=True)
     saver.close()
 
     lower_model, lower = _optimizer(0.1)  # the rerun after a NaN, with rates lowered tenfold
@@ -215,7 +215,7 @@ def test_resize_requests_belong_to_one_attempt_and_the_last_step_answers_them(ra
 
     import ray
 
-    from raychat.run.elastic import _LIVE, PlannedResizeSave, start_coordinator
+    from raychat.run.elastic import _LIVE, FinalResult, PlannedResizeSave, start_coordinator
 
     session = uuid.uuid4().hex
     coordinator = start_coordinator(session)
@@ -226,7 +226,8 @@ def test_resize_requests_belong_to_one_attempt_and_the_last_step_answers_them(ra
         assert ray.get(coordinator.poll_request.remote()) is False
 
         ray.get(coordinator.request_save.remote())  # arrives at the last step: the loop saves no more
-        ray.get(coordinator.finish.remote({"step": 9}))
+        ray.get(coordinator.finish.remote(FinalResult(step=9, tokens_so_far=0, min_val_bpb=1.0,
+                                                      total_training_time=0.0)))
         assert ray.get(coordinator.get_saved_step.remote()) == 9
         callback = PlannedResizeSave(session, wait_s=60)
         callback._planned = True  # the controller saw a healthy group about to be resized

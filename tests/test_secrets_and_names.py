@@ -15,8 +15,16 @@ import time
 import pytest
 import torch
 from conftest import TEST_BUCKET, s3_uri
-from test_bucket import copy_to_bucket, recorded_requests
-from test_train import STEP_LINE, all_files, log_lines, one_error_line, run_train, tiny_flags
+from helpers import (
+    STEP_LINE,
+    all_files,
+    copy_to_bucket,
+    log_lines,
+    one_error_line,
+    recorded_requests,
+    run_train,
+    tiny_flags,
+)
 
 from raychat.common import RaychatError, check_name, run_cli
 from raychat.config import TrainConfig

@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from test_train import tiny_flags
+from helpers import tiny_flags
 
 from raychat.checkpoint.format import latest_valid_checkpoint
 from raychat.run.metrics_log import METRICS_FILE, read_timeline

@@ -23,7 +23,7 @@ from raychat.common import RaychatError
 from raychat.corpus.index import iter_split_texts
 from raychat.corpus.writer import CorpusWriter
 from raychat.tokenizer.core import HF_FILE, SPECIAL_TOKENS, Tokenizer, check_vocab
-from raychat.tokenizer.evaluate import evaluate_tokenizer
+from raychat.tokenizer.stats import tokenizer_stats
 from raychat.tokenizer.train import MIN_VOCAB_SIZE, train_tokenizer
 
 VOCAB = 1024
@@ -213,7 +213,7 @@ def test_token_bytes_table(tok, corpus):
 
 def test_evaluate_counts(tok, corpus):
     val = list(iter_split_texts(corpus, "val"))
-    stats = evaluate_tokenizer(tok, val, threads=2)
+    stats = tokenizer_stats(tok, val, threads=2)
     ids = [tok.encode(d) for d in val]
     assert stats.docs == len(val)
     assert stats.tokens == sum(map(len, ids))
@@ -277,7 +277,7 @@ def test_cli_train_then_eval(corpus, tmp_path):
     assert tokenizer.vocab_size == 512 and tokenizer.bos_id == 503
     done = run_cli("eval", "--data-dir", str(corpus), "--tokenizer-dir", str(out), "--threads", "1")
     assert done.returncode == 0, done.stderr
-    stats = evaluate_tokenizer(tokenizer, list(iter_split_texts(corpus, "val")), threads=1)
+    stats = tokenizer_stats(tokenizer, list(iter_split_texts(corpus, "val")), threads=1)
     assert f"bytes per token:  {stats.bytes_per_token:.3f}" in done.stdout
     assert f"({stats.ids_used:,} of 503 non-special ids)" in done.stdout
 

@@ -12,71 +12,31 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.fs as pafs
 import pytest
 import torch
+from helpers import (
+    STEP_LINE,
+    VAL_LINE,
+    all_files,
+    final_model_state,
+    log_lines,
+    one_error_line,
+    run_train,
+    submit_job,
+    tiny_flags,
+)
 from run_output import foreign_lines
 from trace_audit import assert_epoch1_exactly_once, attempts_by_step
 
-from raychat.checkpoint.format import damage, latest_valid_checkpoint, list_checkpoints, rank_file, read_meta
+from raychat.checkpoint.format import damage, list_checkpoints, rank_file, read_meta
 from raychat.checkpoint.reader import load_checkpoint
 from raychat.storage import Storage
 
 pytestmark = pytest.mark.ray
 
-STEP_LINE = re.compile(
-    r"step (\d{5})/(\d{5}) \((\d+\.\d{2})%\) \| loss: (\d+\.\d{6}) \| lrm: (\d\.\d{2}) \| "
-    r"dt: (\d+\.\d{2})ms \| "
-    r"tok/sec: ([\d,]+) \| bf16_mfu: n/a \| epoch: (\d+) pq: (\d+) rg: (\d+) \| total time: (\d+\.\d{2})m"
-    r"( \| eta: \d+\.\dm)?$"
-)
-VAL_LINE = re.compile(r"Step (\d{5}) \| Validation bpb: (\d+\.\d{6})$")
-
-# d2, width 64 (2 heads of 32), T 64: a few ms per step, still the full architecture.
-TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
-        "--window-pattern", "L", "--device-batch-size", "4", "--eval-tokens", "2048",
-        "--warmup-steps", "2", "--sample-every", "-1"]
-
-
-def tiny_flags(tiny_corpus, storage: str | Path, run_name: str, *extra: str) -> list[str]:
-    data_dir, tokenizer_dir = tiny_corpus
-    return [*TINY, "--data-dir", str(data_dir), "--tokenizer-dir", str(tokenizer_dir),
-            "--storage-path", str(storage), "--run-name", run_name, *extra]
-
-
-def run_train(cluster, flags: list[str], timeout: int = 400, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "raychat.train", *flags], capture_output=True, text=True,
-                          timeout=timeout, env=cluster.driver_env(**env))
-
-
-def log_lines(output: str, pattern: re.Pattern) -> list[re.Match]:
-    """Matches of a pattern in driver output; Ray prefixes worker lines with '(RayTrainWorker ...) '."""
-    found = []
-    for line in output.splitlines():
-        match = pattern.search(line)
-        if match:
-            found.append(match)
-    return found
-
-
-def final_model_state(run: Storage) -> dict[str, torch.Tensor]:
-    model_state, _, _ = load_checkpoint(latest_valid_checkpoint(run))
-    return model_state
-
 
 def checkpoint_names(run: Storage) -> list[str]:
     return sorted(c.name for c in list_checkpoints(run))
-
-
-def all_files(run: Storage) -> dict[str, bytes]:
-    """Every file below a run directory and its bytes (local or in the bucket)."""
-    infos = run.fs.get_file_info(pafs.FileSelector(run.root, recursive=True))
-    files = {}
-    for info in infos:
-        if info.type == pafs.FileType.File:
-            with run.fs.open_input_stream(info.path) as f:
-                files[info.path] = f.read()
-    return files
 
 
 def run_sample(storage: str, run_name: str, tokenizer_dir, *extra: str) -> subprocess.CompletedProcess:
@@ -114,7 +74,7 @@ def test_two_workers_learn_log_checkpoint_sample_and_resume(ray_session, tiny_co
     assert all(damage(c, deep=True) is None for c in list_checkpoints(run))
     meta = read_meta(run.child("checkpoint_000016"))
     assert meta.step == 16 and meta.world_size == 2 and meta.cursor
-    assert meta.loop_state["min_val_bpb"] == pytest.approx(min(bpbs), abs=1e-6)
+    assert meta.loop_state.min_val_bpb == pytest.approx(min(bpbs), abs=1e-6)
     saves = re.findall(r"Checkpoint checkpoint_0000(04|08|12|16) saved .* training stalled \d+ms", out)
     assert len(saves) == 4
     assert "min val bpb" in out and "checkpoint_000016" in out
@@ -262,32 +222,6 @@ def test_resize_one_two_three_one_consumes_every_doc_once(ray_session, tiny_corp
     assert trained > sum(unit.num_rows for unit in index.train) // 3
 
 
-def submit_job(ray_session, train_flags: list[str], runtime_env: dict | None = None) -> tuple[str, str]:
-    """`ray job submit` of a raychat.train run to the shared cluster; its final status and its logs."""
-    ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
-    env = ray_session.driver_env()
-    env.pop("RAY_ADDRESS")
-    address = ["--address", ray_session.dashboard_url]
-    extra = ["--runtime-env-json", json.dumps(runtime_env)] if runtime_env else []
-    submit = subprocess.run([ray_bin, "job", "submit", *address, "--no-wait", *extra, "--",
-                             sys.executable, "-m", "raychat.train", *train_flags],
-                            capture_output=True, text=True, timeout=120, env=env)
-    assert submit.returncode == 0, submit.stderr
-    job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
-    status = ""
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        status = subprocess.run([ray_bin, "job", "status", *address, job_id],
-                                capture_output=True, text=True, timeout=60, env=env).stdout
-        if any(s in status.upper() for s in ("SUCCEEDED", "FAILED", "STOPPED")):
-            break
-        time.sleep(2)
-    # The CLI colours its own header line unless told not to; the job's log is what follows it.
-    logs = subprocess.run([ray_bin, "job", "logs", "--log-color", "false", *address, job_id],
-                          capture_output=True, text=True, timeout=60, env=env).stdout
-    return status, logs
-
-
 def test_job_whose_workers_cannot_compile_fails_with_one_line(ray_session, tiny_corpus, tmp_path):
     """Under `ray job submit` the driver's machine is not the workers', so the workers check torch.compile
     themselves: here their nodes have no C++ compiler for inductor (a fresh inductor cache, so nothing
@@ -303,13 +237,6 @@ def test_job_whose_workers_cannot_compile_fails_with_one_line(ray_session, tiny_
     assert len(errors) == 1, logs[-3000:]
     assert errors[0].startswith("raychat: error: --compile:") and "run with --compile off" in errors[0]
     assert not list(tmp_path.glob("job/checkpoint_*"))
-
-
-def one_error_line(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("raychat: error:")]
-    assert len(lines) == 1, result.stderr[-2000:]
-    return lines[0]
 
 
 def test_bad_input_fails_fast_with_one_line(ray_session, tiny_corpus, tmp_path):

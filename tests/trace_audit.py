@@ -39,7 +39,7 @@ def world_sizes_by_attempt(trace_dir: Path) -> list[int]:
     return [sizes[a] for a in sorted(sizes, key=float)]
 
 
-def assert_epoch1_exactly_once(trace_dir: Path, data_dir: Path, cursor: dict) -> int:
+def assert_epoch1_exactly_once(trace_dir: Path, data_dir: Path, cursor: "Cursor") -> int:  # noqa: F821
     """No document trained twice; every epoch-1 document trained once or still in flight in the
     final cursor (a long document can wait in the packer's buffer), none lost. Returns how many
     epoch-1 documents were trained."""
@@ -48,7 +48,7 @@ def assert_epoch1_exactly_once(trace_dir: Path, data_dir: Path, cursor: dict) ->
     consumed = [doc for ids in read_trace(trace_dir).values() for doc in ids]
     assert len(consumed) == len(set(consumed)), "a document was trained on twice"
     index = CorpusIndex.load(data_dir)
-    assert cursor["frontier"] >= len(index.train), "the run should pass the end of epoch 1"
+    assert cursor.frontier >= len(index.train), "the run should pass the end of epoch 1"
     owed = owed_documents(index, cursor)
     epoch1 = {(1, unit.index, row) for unit in index.train for row in range(unit.num_rows)}
     trained1 = {d for d in consumed if d[0] == 1}

@@ -31,10 +31,8 @@ ties between checkpoints without a sequence, written before raychat kept one.
 
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Callable, Collection
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from raychat.checkpoint import fence
@@ -88,14 +86,6 @@ class _HashingWriter:
         self.file.flush()
 
 
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_file(directory: Storage, name: str, write: Callable[[Any], None],
                fence: Fence | None = None) -> dict:
     """Write one file and return its manifest entry. Local disk: temporary name, fsync, rename.
@@ -112,19 +102,12 @@ def write_file(directory: Storage, name: str, write: Callable[[Any], None],
 
 
 def _write_file_once(directory: Storage, name: str, write: Callable[[Any], None]) -> dict:
-    if directory.is_local:
-        directory.make_dir()
-        tmp = Path(directory.path(f"{name}.tmp"))
-        with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            write(writer)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory.path(name))
-    else:
-        with directory.open_output(name) as f:
-            writer = _HashingWriter(f)
-            write(writer)
+    def hashed(f: BinaryIO) -> _HashingWriter:
+        writer = _HashingWriter(f)
+        write(writer)
+        return writer
+
+    writer = directory.write_whole(name, hashed)
     return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
 
 
@@ -133,8 +116,7 @@ def write_manifest(directory: Storage, world: int, files: dict[str, dict],
     """The last write of a save: from now on the directory is a checkpoint."""
     manifest = (json.dumps({"format": FORMAT, "world_size": world, "files": files}, indent=2) + "\n").encode()
     write_file(directory, MANIFEST_FILE, lambda f: f.write(manifest), fence)
-    if directory.is_local:
-        fsync_dir(directory.root)
+    directory.sync()
 
 
 # -----------------------------------------------------------------------------
@@ -311,13 +293,13 @@ def list_checkpoints(run_dir: Location, log: Callable[[str], None] = _warn) -> l
 def branch(run_dir: Location, log: Callable[[str], None] = _warn) -> list[Storage]:
     """The current branch, newest first: the newest checkpoint, then its parent, its parent's
     parent... A rewound run's abandoned branch is not on it, whatever its step numbers (and once a
-    lease records the rewind, not even listed). Where a parent cannot be read, or none was recorded
-    (before raychat kept a lineage), the chain goes on with the next older checkpoint listed."""
+    lease records the rewind, not even listed). Where a parent cannot be read or is gone, or none
+    was recorded (before raychat kept a lineage), the chain goes on with the next older checkpoint
+    listed."""
     run = Storage.of(run_dir)
     listed = _scan(run, log)
     if not listed:
         return []
-    present = set(_subdirs(run))
     by_name = {directory.name: i for i, (directory, _) in enumerate(listed)}
     chain: list[Storage] = []
     position: int | None = len(listed) - 1
@@ -326,17 +308,20 @@ def branch(run_dir: Location, log: Callable[[str], None] = _warn) -> list[Storag
         chain.append(directory)
         if meta.parent in by_name:
             position = by_name[meta.parent]
-        elif meta.parent in present:
-            # A parent whose record cannot be read: its ancestors lie at lower steps (the step is in
-            # the name), so the chain goes on with the newest listed checkpoint below it; a newer
-            # one could be an abandoned branch that no lease marked (a run from before leases).
+        elif meta.parent is not None:
+            # A parent whose record cannot be read, or one pruned while an older ancestor was kept
+            # (a saver never prunes the checkpoint its attempt resumed from, so after a restart the
+            # chain can skip a gap): its ancestors lie at lower steps (the step is in the name), so
+            # the chain goes on with the newest listed checkpoint below it, and prune reaches what
+            # an earlier attempt protected. A newer one could be an abandoned branch that no lease
+            # marked (a run from before leases).
             below = _step_of(meta.parent)
             older = [i for i in range(position) if _step_of(listed[i][0].name) < below]
             position = older[-1] if older else None
-        elif meta.parent is None and meta.sequence == 0:  # before raychat kept a lineage: list order
+        elif meta.sequence == 0:  # before raychat kept a lineage: list order
             position = position - 1 if position > 0 else None
         else:
-            position = None  # the start of the lineage, or its older part already pruned
+            position = None  # the start of the lineage
     return chain
 
 

@@ -1,30 +1,67 @@
 """What a checkpoint says about itself: one typed record, written as `meta.json`, read by everyone.
 
-The driver (which checkpoint, does the tokenizer fit), every worker (step, cursor, loop state),
-`raychat.sample` (the model's shape) and the benchmarks read the same fields through this class, so
-a field changes in one place. The JSON is plain (a user reads it with any tool); `format_version`
-says which fields exist, and a record from a newer raychat is refused in one line instead of being
-half-understood. Version 1 is the untyped dict raychat wrote before this record: the same keys
-without lineage or version, read as is.
+The driver (which checkpoint, does the tokenizer fit, does the corpus), every worker (step, cursor,
+loop state), `raychat.sample` and `raychat.export` (the model's shape, the flags) and the benchmarks
+read the same fields through this class, so a field changes in one place. Every part is a record
+(raychat.records): the model's shape, the plan, the flags, the corpus, the data cursor, the loop
+state and the totals, each read back by attribute and refused in one line naming the field when it
+does not fit. The JSON is plain (a user reads it with any tool); `format_version` says which fields
+exist, and a record from a newer raychat is refused in one line instead of being half-understood.
+
+Versions: 1 is the untyped dict raychat wrote before this record (the same keys without lineage or
+version); 2 added lineage and the version but kept every part a plain dict, empty when unknown;
+3 types every part, None when unknown. Versions 1 and 2 are read as they were written.
 """
 
 import json
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from raychat.common import RaychatError
+from raychat.config import TrainConfig
+from raychat.corpus.index import CorpusRecord
+from raychat.data.cursor import Cursor
+from raychat.model.gpt import GPTConfig
+from raychat.records import Record
+from raychat.scaling import Plan
 
-META_VERSION = 2
+META_VERSION = 3
 
 
 @dataclass
-class CheckpointMeta:
+class LoopState(Record):
+    """Where the loop is and what a resume must restore besides the weights (nanochat's loop_state)."""
+
+    step: int = 0  # the next optimizer step
+    min_val_bpb: float = float("inf")
+    smooth_train_loss: float = 0.0
+    total_training_time: float = 0.0
+    val_bpb: float | None = None
+    core_metric: float | None = None  # at the last CORE evaluation (raychat.run.core_metric)
+    restarts: int = 0  # worker-group restarts after failures
+    resizes: int = 0  # planned resizes (the group grew or shrank with nothing lost)
+    redone_steps: int = 0  # steps trained again after restarts (work lost since the last checkpoint)
+
+
+@dataclass
+class Totals(Record):
+    """What the run had trained on when the checkpoint was saved."""
+
+    tokens_so_far: int
+    flops_so_far: int
+
+
+@dataclass
+class CheckpointMeta(Record):
     """One checkpoint's metadata. `sequence` counts the checkpoints of a lineage (1, 2, ...) and
     `parent` names the checkpoint this one's run resumed from or saved before it (None at the
     start), so "which checkpoint follows which" is recorded, not inferred from file times."""
 
+    VERSION: ClassVar[int] = META_VERSION
+    VERSION_KEY: ClassVar[str] = "format_version"  # what versions 1 and 2 named it: they refuse a 3
+
     step: int
-    model_config: dict[str, Any]
+    model_config: GPTConfig
     world_size: int = 1
     vocab_size: int | None = None
     tokenizer_fingerprint: str | None = None
@@ -33,35 +70,30 @@ class CheckpointMeta:
     parent: str | None = None
     lease_epoch: int = 0  # the run lease's epoch of the driver whose workers wrote it (checkpoint.fence)
     raychat_version: str = ""
-    plan: dict[str, Any] = field(default_factory=dict)
-    user_config: dict[str, Any] = field(default_factory=dict)
-    corpus: dict[str, Any] = field(default_factory=dict)
-    cursor: dict[str, Any] | None = None
-    loop_state: dict[str, Any] = field(default_factory=dict)
+    plan: Plan | None = None
+    user_config: TrainConfig | None = None  # the flags, locations without credentials (SafeLocation)
+    corpus: CorpusRecord | None = None
+    cursor: Cursor | None = None
+    loop_state: LoopState = field(default_factory=LoopState)
     val_bpb: float | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    format_version: int = META_VERSION
+    metrics: Totals | None = None
+
+    @classmethod
+    def upgrade(cls, values: dict[str, Any], version: int) -> dict[str, Any]:
+        """Versions 1 and 2 wrote an unknown part as an empty dict: None now."""
+        return {key: value for key, value in values.items()
+                if not (value == {} and key in ("plan", "user_config", "corpus", "cursor", "metrics"))}
 
     def to_json(self) -> bytes:
         # allow_nan: nanochat's loop state starts with min_val_bpb = inf, which Python's json round-trips
-        return (json.dumps(asdict(self), indent=2) + "\n").encode()
+        return (json.dumps(self.to_dict(), indent=2) + "\n").encode()
 
     @classmethod
     def from_json(cls, data: bytes | str, where: str = "meta.json") -> "CheckpointMeta":
-        """Parse a record; a newer version, or a record without step or model config, is refused."""
+        """Parse a record; one from a newer raychat, or one that does not fit the record (no step,
+        an unknown field), is refused in one line naming `where`."""
         try:
             raw = json.loads(data)
         except ValueError as e:
             raise RaychatError(f"{where} is not JSON ({e}); the checkpoint is damaged") from None
-        if not isinstance(raw, dict):
-            raise RaychatError(f"{where} is not a JSON object; the checkpoint is damaged")
-        version = raw.get("format_version", 1)
-        if not isinstance(version, int) or version > META_VERSION:
-            raise RaychatError(f"{where} has checkpoint metadata version {version!r}, this raychat reads up "
-                               f"to {META_VERSION}: upgrade raychat to use this checkpoint")
-        missing = [name for name in ("step", "model_config") if name not in raw]
-        if missing:
-            raise RaychatError(f"{where} lacks {', '.join(missing)}; the checkpoint is damaged")
-        known = {f.name for f in fields(cls)}
-        values = {key: value for key, value in raw.items() if key in known}
-        return cls(**{**values, "format_version": version})
+        return cls.from_dict(raw, where=where)

@@ -7,6 +7,9 @@ checkpoint that this run itself wrote, which the driver could not know about. Ra
 every rank follows, so all ranks load the same checkpoint; each rank reads only the byte ranges it
 needs and checks their hashes on the way, and if any rank finds damage, all fall back to an earlier
 one together. The driver's check is the manifest and the files' sizes (a listing), not a read.
+
+The commands that read a finished run (`raychat.sample`, `raychat.evaluate`, `raychat.export`) take
+the latest complete checkpoint, or the one at `--step`, by the same rule (`find_checkpoint`).
 """
 
 from collections.abc import Callable
@@ -20,6 +23,18 @@ from raychat.common import RaychatError
 from raychat.storage import Storage
 
 T = TypeVar("T")
+
+
+def find_checkpoint(run: Storage, step: int | None) -> Storage:
+    """The checkpoint a command reads: the run's latest complete one, or the one at `step`; one
+    RaychatError line naming --run-name/--storage-path or --step when there is none."""
+    if not run.is_dir():
+        raise RaychatError(f"no run at {run}: check --run-name and --storage-path")
+    found = latest_valid_checkpoint(run, step=step)
+    if found is None:
+        wanted = "a complete checkpoint" if step is None else f"a complete checkpoint at step {step}"
+        raise RaychatError(f"run {run} has no {wanted}: drop --step for the latest, or train longer")
+    return found
 
 
 def driver_choice(run: Storage, resume_from_step: int, log: Callable[[str], None]) -> Storage | None:

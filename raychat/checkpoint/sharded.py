@@ -24,7 +24,6 @@ from raychat.checkpoint.format import (
     INDEX_FILE,
     MANIFEST_FILE,
     META_FILE,
-    fsync_dir,
     rank_file,
     write_file,
     write_manifest,
@@ -139,8 +138,7 @@ def finish_checkpoint(directory: Storage, world: int, token: str, meta_bytes: by
     files = {m["file"]: {"bytes": m["bytes"], "sha256": m["sha256"]} for m in markers}
     files[INDEX_FILE] = write_file(directory, INDEX_FILE, lambda f: f.write(index), fence)
     files[META_FILE] = write_file(directory, META_FILE, lambda f: f.write(meta_bytes), fence)
-    if directory.is_local:
-        fsync_dir(directory.root)  # every rename is durable before the manifest claims the files
+    directory.sync()  # every rename is durable before the manifest claims the files
     write_manifest(directory, world, files, fence)
     for rank in range(world):  # the index holds what the markers said
         directory.delete(marker_name(rank))
@@ -200,6 +198,5 @@ def prepare_overwrite(directory: Storage, fence: Fence | None = None) -> None:
     refuse_newer(directory, fence)
     if directory.exists(MANIFEST_FILE):
         directory.delete(MANIFEST_FILE)
-        if directory.is_local:
-            fsync_dir(directory.root)
+        directory.sync()
 

@@ -1,5 +1,6 @@
 """`python -m raychat.corpus`: create, check and inspect corpora (the command line on top of the
-other modules of raychat.corpus; nothing imports this one)."""
+other modules of raychat.corpus; nothing imports this one). It also offers raychat.evaluation's
+`download-eval-bundle`, defined there, beside the commands that fetch a corpus."""
 
 import argparse
 from pathlib import Path
@@ -8,8 +9,7 @@ from raychat.common import default_data_dir
 from raychat.corpus import download, fixture, ingest, sample
 from raychat.corpus.check import validate_corpus
 from raychat.corpus.index import DEFAULT_DOCS_PER_SHARD, ROW_GROUP_SIZE
-from raychat.evaluation.bundle import default_bundle_dir
-from raychat.evaluation.download import EVAL_BUNDLE_URL, download_eval_bundle
+from raychat.evaluation import download as eval_bundle
 
 DESCRIPTION = """\
 Create, check and inspect raychat corpora: directories of parquet shards in nanochat's layout
@@ -92,14 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None,
                    help="threads generating and compressing (default: CPU count, at most 8)")
 
-    p = commands.add_parser(
-        "download-eval-bundle", help="fetch nanochat's CORE eval bundle (resumable, checked)",
-        description="Fetch nanochat's eval bundle (core.yaml, eval_data/, eval_meta_data.csv: the tasks of "
-        "the CORE metric) and unpack it into --out. An interrupted download resumes; the zip's size and CRCs "
-        "and the bundle's files are checked before it is put in place. Offline, it says where to put it.")
-    p.add_argument("--out", default=None, help=f"bundle directory (default: {default_bundle_dir()})")
-    p.add_argument("--url", default=EVAL_BUNDLE_URL,
-                   help=f"where to fetch the zip (default: {EVAL_BUNDLE_URL})")
+    eval_bundle.add_command(commands)  # raychat.evaluation's command, offered where data is fetched
 
     p = commands.add_parser("check", help="validate a corpus and print its summary",
                             description="Checks every shard's footer (opens as parquet, string column "
@@ -117,9 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         print(validate_corpus(args.data_dir or default_data_dir(), deep=args.deep).format())
         return 0
-    if args.command == "download-eval-bundle":
-        download_eval_bundle(args.out or default_bundle_dir(), url=args.url)
-        return 0
+    if args.command == eval_bundle.COMMAND:
+        return eval_bundle.run_command(args)
     if args.command == "download":
         download.download_shards(args.data_dir or default_data_dir(), args.shards, revision=args.revision,
                                  workers=args.workers)

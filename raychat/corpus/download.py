@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import huggingface_hub
-import pyarrow.fs as pafs
 from huggingface_hub import RepoFile
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
@@ -212,7 +211,7 @@ def _fetch_into_bucket(bucket: Storage, names: list[str], published: dict[str, R
     holds one batch (~90 MB a shard), never the corpus. A shard counts as present when the bucket
     holds an object of the published size: an object store publishes an upload whole when it closes,
     so a killed upload leaves nothing and the re-run sends the shard again."""
-    sizes = {info.base_name: info.size for info in bucket.entries() if info.type == pafs.FileType.File}
+    sizes = {info.base_name: info.size for info in bucket.files()}
     todo = [name for name in names if sizes.get(name) != published[name].size]
     if len(todo) < len(names):
         log(f"download: {len(names) - len(todo)} of {len(names)} files already in the bucket")

@@ -1,5 +1,5 @@
 """The corpus's files wherever they live: a local directory or a bucket (`s3://`, `gs://`, `abfs://`,
-query parameters such as `endpoint_override` kept), always through `pyarrow.fs` (raychat.storage).
+query parameters such as `endpoint_override` kept), always through `raychat.storage.Storage`.
 
 On a cluster the corpus sits in one bucket that every node reads by range: a read fetches the
 shard's footer and then only the column chunk of its row group, never the whole shard. The footer is
@@ -18,12 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raychat.common import RaychatError
 from raychat.faults import is_missing, retry_transient
-from raychat.storage import Storage, join_uri
+from raychat.storage import FileInfo, Storage, join_uri
 
 TAIL_BYTES = 64 * 1024    # one range request fetches the footer of a shard of ClimbMix's layout
 CHECK_HINT = "check it with `python -m raychat.corpus check --deep DATA_DIR`"
@@ -35,10 +34,15 @@ def corpus_storage(location: str) -> Storage:
     return Storage(location)
 
 
+def shard_name(path: str) -> str:
+    """A shard's name in its corpus directory, from its filesystem path (shards sit directly in it)."""
+    return path.rsplit("/", 1)[-1]
+
+
 def object_uri(location: str, path: str) -> str:
     """What a message names: the shard's URI (or local path), without the location's ?query (which
     configures the filesystem and may carry credentials)."""
-    return join_uri(location.split("?", 1)[0], path.rsplit("/", 1)[-1])
+    return join_uri(location.split("?", 1)[0], shard_name(path))
 
 
 @dataclass(frozen=True)
@@ -63,11 +67,13 @@ def _parse_tail(tail: bytes, size: int, uri: str) -> tuple[int, bytes] | None:
     return length, tail[-8 - length:-8]
 
 
-def read_footer(fs: pafs.FileSystem, path: str, uri: str) -> Footer:
+def read_footer(location: str, path: str) -> Footer:
     """The footer of one shard in one range request (two for a footer over TAIL_BYTES), transient
     faults retried (raychat.faults); a shard that is gone or refused raises its OSError."""
+    storage, uri = corpus_storage(location), object_uri(location, path)
+
     def read() -> Footer:
-        with fs.open_input_file(path) as f:
+        with storage.open_random(shard_name(path)) as f:
             return footer_of(f, uri)
 
     return retry_transient(read, f"reading the footer of {uri}")
@@ -105,10 +111,10 @@ def read_row_group(location: str, path: str, row_group: int, rows: Sequence[int]
     the budget); a shard that is gone, refused or damaged, or whose footer no longer matches
     `fingerprint`, is one RaychatError naming the object (no retry can fix it)."""
     uri = object_uri(location, path)
-    fs = corpus_storage(location).fs
+    storage = corpus_storage(location)
 
     def read() -> pa.Table:
-        with fs.open_input_file(path) as f:
+        with storage.open_random(shard_name(path)) as f:
             footer = footer_of(f, uri)
             if fingerprint and footer.fingerprint != fingerprint:
                 raise RaychatError(f"{uri} changed since the corpus was indexed (footer fingerprint "
@@ -131,12 +137,12 @@ def read_row_group(location: str, path: str, row_group: int, rows: Sequence[int]
     return column
 
 
-def list_shard_files(storage: Storage, pattern) -> list[tuple[int, pafs.FileInfo]]:
+def list_shard_files(storage: Storage, pattern) -> list[tuple[int, FileInfo]]:
     """(shard number, file info) of every file whose name matches `pattern`, in shard order."""
     shards = []
-    for info in storage.entries():
+    for info in storage.files():
         match = pattern.match(info.base_name)
-        if match and info.type == pafs.FileType.File:
+        if match:
             shards.append((int(match.group(1)), info))
     shards.sort(key=lambda s: s[0])
     return shards

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raychat.common import RaychatError
@@ -36,6 +35,7 @@ from raychat.corpus.files import (
     read_row_group,
 )
 from raychat.faults import retry_transient
+from raychat.records import Record
 from raychat.storage import Storage, is_uri, join_uri, normalize_location
 
 ROW_GROUP_SIZE = 1024
@@ -117,9 +117,8 @@ FOOTER_THREADS = 32   # footers read at once: a bucket answers each in tens of m
 def read_footers(location: str, paths: Sequence[str]) -> list[Footer]:
     """The footers of many shards, read concurrently (one range request each, transient faults
     retried by read_footer; StorageUnavailable past the budget, a non-transient OSError as is)."""
-    fs = corpus_storage(location).fs
     with ThreadPoolExecutor(max_workers=min(FOOTER_THREADS, max(1, len(paths)))) as pool:
-        return list(pool.map(lambda path: read_footer(fs, path, object_uri(location, path)), paths))
+        return list(pool.map(lambda path: read_footer(location, path), paths))
 
 
 def _missing_corpus(location: str, storage: Storage) -> RaychatError:
@@ -245,18 +244,31 @@ def confirm_identity(index: "CorpusIndex", who: str) -> None:
                            "bucket, --data-dir s3://..., or copy the same files to every node)")
 
 
-def corpus_record(index: "CorpusIndex") -> dict:
-    """What checkpoints keep under "corpus": corpus.json (source, Hub repo and revision), where the
-    corpus was (without a URI's query, which may carry credentials) and its identity."""
-    return {**read_corpus_meta(index.data_dir), "location": index.data_dir.split("?", 1)[0],
-            "identity": index.identity()}
+@dataclass
+class CorpusRecord(Record):
+    """What checkpoints keep under "corpus": corpus.json's source (and a Hub download's repo and
+    revision), where the corpus was (without a URI's query, which may carry credentials) and its
+    identity (shard name -> [size, fingerprint]; None in checkpoints from before it was kept)."""
+
+    location: str
+    source: str | None = None
+    repo: str | None = None
+    revision: str | None = None
+    identity: dict[str, list[int | str]] | None = None
 
 
-def check_checkpoint_corpus(record: dict | None, index: "CorpusIndex", checkpoint: str) -> None:
+def corpus_record(index: "CorpusIndex") -> CorpusRecord:
+    """This corpus's record, for the checkpoints trained on it."""
+    meta = read_corpus_meta(index.data_dir)
+    return CorpusRecord(location=index.data_dir.split("?", 1)[0], source=meta.get("source"),
+                        repo=meta.get("repo"), revision=meta.get("revision"), identity=index.identity())
+
+
+def check_checkpoint_corpus(record: CorpusRecord | None, index: "CorpusIndex", checkpoint: str) -> None:
     """Refuse in one line to resume a checkpoint whose corpus identity differs from this corpus's:
     its data cursor counts row groups of those shards. Checkpoints from before identities were kept
     (no record) pass."""
-    recorded = (record or {}).get("identity")
+    recorded = record.identity if record is not None else None
     if recorded is None:
         return
     difference = identity_difference(recorded, index.identity())
@@ -298,7 +310,7 @@ def read_corpus_meta(data_dir: str | Path) -> dict:
     where = join_uri(storage.location, CORPUS_META_FILE)
 
     def read() -> bytes | None:
-        if storage.info(CORPUS_META_FILE).type != pafs.FileType.File:
+        if not storage.is_file(CORPUS_META_FILE):
             return None
         return storage.read_bytes(CORPUS_META_FILE)
 
@@ -319,9 +331,4 @@ def write_corpus_meta(data_dir: str | Path, meta: dict) -> None:
     """Replace the corpus's metadata atomically (a reader sees the old file or the new one: a rename on
     disk; an object store publishes an object whole)."""
     storage = corpus_storage(normalize_location(data_dir))
-    data = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
-    if not storage.is_local:
-        storage.write_bytes(CORPUS_META_FILE, data)
-        return
-    storage.write_bytes(CORPUS_META_FILE + ".tmp", data)
-    storage.fs.move(storage.path(CORPUS_META_FILE + ".tmp"), storage.path(CORPUS_META_FILE))
+    storage.replace_atomically(CORPUS_META_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())

@@ -12,7 +12,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raychat.common import RaychatError
@@ -27,10 +26,11 @@ from raychat.corpus.index import (
 from raychat.storage import Storage
 
 
-def _write_shard_file(fs: pafs.FileSystem, path: str, texts: pa.ChunkedArray) -> None:
+def _write_shard_file(storage: Storage, name: str, texts: pa.ChunkedArray) -> None:
     # nanochat's shard settings: zstd level 3, no dictionary or statistics (useless for text).
-    with pq.ParquetWriter(path, pa.schema([("text", pa.string())]), filesystem=fs, compression="zstd",
-                          compression_level=3, use_dictionary=False, write_statistics=False) as writer:
+    with storage.open_output(name) as f, pq.ParquetWriter(
+            f, pa.schema([("text", pa.string())]), compression="zstd", compression_level=3,
+            use_dictionary=False, write_statistics=False) as writer:
         for start in range(0, len(texts), ROW_GROUP_SIZE):
             row_group = texts.slice(start, ROW_GROUP_SIZE).combine_chunks()
             writer.write_table(pa.table({"text": row_group}), row_group_size=ROW_GROUP_SIZE)
@@ -65,8 +65,8 @@ class _SplitWriter:
         self.files.append(self.name_of(len(self.files)))
         while len(self.in_flight) >= self.max_in_flight:
             self.in_flight.popleft().result()
-        self.in_flight.append(self.pool.submit(_write_shard_file, self.storage.fs,
-                                               self.storage.path(self.files[-1]), pending.slice(0, size)))
+        self.in_flight.append(self.pool.submit(_write_shard_file, self.storage, self.files[-1],
+                                               pending.slice(0, size)))
         self.num_docs += size
 
     def close(self) -> None:
@@ -101,7 +101,7 @@ class CorpusWriter:
             raise RaychatError(f"--docs-per-shard must be at least 1, got {docs_per_shard}")
         self.out = Storage(out_dir)   # a local directory or a bucket URI
         self.out_dir = self.out.location
-        if self.out.info().type == pafs.FileType.File:
+        if self.out.is_file():
             raise RaychatError(f"output {self.out_dir} exists and is not a directory: choose another --out")
         self.out.make_dir()
         self.source = source
@@ -144,7 +144,7 @@ class CorpusWriter:
         final = []
         for i, tmp in enumerate(self.train.files + self.val.files):
             final.append(self.out.path(shard_filename(i)))
-            self.out.fs.move(self.out.path(tmp), final[-1])
+            self.out.rename(tmp, shard_filename(i))
         write_corpus_meta(self.out_dir, {"source": self.source})  # replaces an overwritten corpus's
         return final
 

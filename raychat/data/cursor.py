@@ -28,8 +28,8 @@ from itertools import groupby
 import numpy as np
 
 from raychat.common import RaychatError
+from raychat.records import Record
 
-CURSOR_VERSION = 1
 DocId = tuple[int, int, int]                    # (epoch, unit index, row)
 Run = list[int]                                 # [epoch, unit index, first row, stop row)
 UnitAt = Callable[[int], tuple[int, int, int]]  # global position -> (epoch, unit index, num_rows)
@@ -52,21 +52,27 @@ def count(runs: Iterable[Sequence[int]]) -> int:
 
 
 @dataclass
-class RankCursor:
+class RankCursor(Record):
     """One rank's place in the data: the documents it owes, then its units from next_position."""
     rank: int
     world_size: int
     next_position: int
     pending: list[Run]
 
-    def to_json(self) -> dict:
-        return {"rank": self.rank, "world_size": self.world_size, "next_position": self.next_position,
-                "pending": [list(run) for run in self.pending]}
 
-    @classmethod
-    def from_json(cls, state: dict) -> "RankCursor":
-        return cls(int(state["rank"]), int(state["world_size"]), int(state["next_position"]),
-                   [[int(x) for x in run] for run in state["pending"]])
+@dataclass
+class Cursor(Record):
+    """Where W ranks stand, independent of W: what every checkpoint saves (`merge_cursor`).
+    `in_flight` and `unstarted` are what a resume at another world size deals out; `ranks` is what
+    a resume at the same one takes back; `num_units` and `shuffle_seed` name the unit order."""
+    world_size: int
+    frontier: int  # no position at or above it was started
+    epoch: int | None  # of the frontier, for people reading it
+    in_flight: list[Run]
+    unstarted: list[int]  # positions below the frontier whose owner had not started them
+    num_units: int | None
+    shuffle_seed: int | None
+    ranks: list[RankCursor]
 
 
 @dataclass(frozen=True)
@@ -177,25 +183,25 @@ class UnitSchedule:
         return epoch, unit, self.index.train[unit].num_rows
 
 
-def merge_cursor(rank_states: list[dict]) -> dict:
-    """The world-size-independent record of where W ranks stand (saved in every checkpoint)."""
+def merge_cursor(rank_states: list[RankCursor], num_units: int, shuffle_seed: int | None) -> Cursor:
+    """The world-size-independent record of where W ranks stand (saved in every checkpoint), on a
+    train split of `num_units` units in the order of `shuffle_seed`."""
     if not rank_states:
         raise ValueError("merge_cursor needs the state of every rank, got none")
     world_size = len(rank_states)
-    cursors = sorted((RankCursor.from_json(s) for s in rank_states), key=lambda c: c.rank)
+    cursors = sorted(rank_states, key=lambda c: c.rank)
     ranks = [c.rank for c in cursors]
     if ranks != list(range(world_size)) or any(c.world_size != world_size for c in cursors):
         raise ValueError(f"merge_cursor needs one state per rank of a world of {world_size}, got ranks "
                          f"{ranks} with world sizes {[c.world_size for c in cursors]}")
-    corpus = {key: rank_states[0].get(key) for key in ("num_units", "shuffle_seed")}
     # Every position below the frontier was started by some rank, except the ones listed as
     # unstarted (their owner had not reached them); no position at or above it was started.
     frontier = max(c.next_position for c in cursors)
     unstarted = sorted(p for c in cursors for p in range(c.next_position, frontier, world_size))
-    epoch = frontier // corpus["num_units"] + 1 if corpus["num_units"] else None   # for people reading it
-    return {"version": CURSOR_VERSION, "world_size": world_size, "frontier": frontier, "epoch": epoch,
-            "in_flight": [run for c in cursors for run in c.pending], "unstarted": unstarted,
-            **corpus, "ranks": [c.to_json() for c in cursors]}
+    epoch = frontier // num_units + 1 if num_units else None
+    return Cursor(world_size=world_size, frontier=frontier, epoch=epoch,
+                  in_flight=[run for c in cursors for run in c.pending], unstarted=unstarted,
+                  num_units=num_units, shuffle_seed=shuffle_seed, ranks=cursors)
 
 
 def split_runs(runs: list[Run], start: int, stop: int) -> list[Run]:
@@ -210,23 +216,20 @@ def split_runs(runs: list[Run], start: int, stop: int) -> list[Run]:
     return out
 
 
-def rank_cursor(merged: dict | None, rank: int, world_size: int, unit_at: UnitAt) -> RankCursor:
+def rank_cursor(merged: Cursor | None, rank: int, world_size: int, unit_at: UnitAt) -> RankCursor:
     """This rank's cursor when `world_size` ranks resume from `merged` (None: a fresh start)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
     if merged is None:
         return RankCursor(rank, world_size, rank, [])
-    if merged.get("version") != CURSOR_VERSION:
-        raise RaychatError(f"the data cursor in this checkpoint has version {merged.get('version')}, this "
-                           f"raychat reads version {CURSOR_VERSION}: resume with the raychat that saved it")
-    if merged["world_size"] == world_size:
-        return RankCursor.from_json(merged["ranks"][rank])
+    if merged.world_size == world_size:
+        return merged.ranks[rank]
     # Another world size: hand the documents in flight out in contiguous parts, then deal units
     # from the frontier.
-    owed = list(merged["in_flight"])
-    for position in merged["unstarted"]:
+    owed = list(merged.in_flight)
+    for position in merged.unstarted:
         epoch, unit, num_rows = unit_at(position)
         owed.append([epoch, unit, 0, num_rows])
     total = count(owed)
     start, stop = rank * total // world_size, (rank + 1) * total // world_size
-    return RankCursor(rank, world_size, merged["frontier"] + rank, split_runs(owed, start, stop))
+    return RankCursor(rank, world_size, merged.frontier + rank, split_runs(owed, start, stop))

@@ -44,8 +44,10 @@ import pyarrow as pa
 from raychat.common import RaychatError
 from raychat.corpus.index import CorpusIndex, Unit, read_unit_texts
 from raychat.data.cursor import (
+    Cursor,
     DocFeed,
     DocId,
+    RankCursor,
     RankSequence,
     Source,
     UnitSchedule,
@@ -273,13 +275,13 @@ class TrainLoader:
     """Rows of T+1 BOS-aligned best-fit packed tokens for one rank, resumable from a cursor."""
 
     def __init__(self, index: CorpusIndex, tokenizer_dir: str, seq_len: int, rank: int, world_size: int,
-                 cursor: dict | None = None, shuffle_seed: int | None = None, buffer_size: int = 1000,
+                 cursor: Cursor | None = None, shuffle_seed: int | None = None, buffer_size: int = 1000,
                  data_tasks: int = 1, record_consumed: bool = True):
         self.index = index
         self.seq_len = seq_len
         Tokenizer.load(tokenizer_dir)   # a missing tokenizer fails here, in one line, not inside Ray Data
         schedule = UnitSchedule(index, shuffle_seed)
-        self._corpus_key = {"num_units": schedule.num_units, "shuffle_seed": shuffle_seed}
+        self.num_units, self.shuffle_seed = schedule.num_units, shuffle_seed  # what a merged cursor names
         if cursor is not None:
             check_cursor_fits(cursor, schedule.num_units, shuffle_seed, index.data_dir)
         self._sequence = RankSequence(rank_cursor(cursor, rank, world_size, schedule), schedule)
@@ -300,9 +302,9 @@ class TrainLoader:
             self._consumed.append(np.array(consumed, dtype=np.int32).reshape(-1, 3))
         return _inputs_and_targets(rows)
 
-    def state(self) -> dict:
-        """This rank's part of the cursor as of the rows returned so far (JSON-serialisable)."""
-        return {**self._feed.cursor(self._packer.buffered_ids()).to_json(), **self._corpus_key}
+    def state(self) -> RankCursor:
+        """This rank's part of the cursor as of the rows returned so far (merge_cursor joins them)."""
+        return self._feed.cursor(self._packer.buffered_ids())
 
     def consumed_doc_ids(self) -> list[DocId]:
         """(epoch, unit, row) of the documents placed into rows returned since the last call."""
@@ -333,15 +335,15 @@ class TrainLoader:
         self.close()
 
 
-def check_cursor_fits(cursor: dict, num_units: int, shuffle_seed: int | None, data_dir: str) -> None:
+def check_cursor_fits(cursor: Cursor, num_units: int, shuffle_seed: int | None, data_dir: str) -> None:
     """A saved cursor names units by their place in the corpus: it continues only on a corpus of as
     many train row groups, in the same order. The driver checks this before any worker starts."""
-    saved_units = cursor.get("num_units")
+    saved_units = cursor.num_units
     if saved_units != num_units:
         raise RaychatError(f"the checkpoint's data cursor was saved for a corpus of {saved_units} train "
                            f"row groups, but {data_dir} has {num_units}: resume with the corpus the run "
                            "started on, or train the new corpus as a new --run-name")
-    saved_seed = cursor.get("shuffle_seed")
+    saved_seed = cursor.shuffle_seed
     if saved_seed != shuffle_seed:
         raise RaychatError(f"the checkpoint's data cursor was saved with --shuffle-seed {saved_seed}, this "
                            f"run uses {shuffle_seed}: resume with the same seed or a new --run-name")

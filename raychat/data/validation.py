@@ -4,8 +4,8 @@ Validation needs a few thousand rows once per attempt, not a stream: going throu
 small dataset after another, each with its start-up) cost ~100 s per attempt on a 2-node cluster
 for 1,200 validation documents. Here the rank reads the val split's row groups itself (range reads,
 the same as a read task's), tokenizes each on all its cores and packs as it goes, stopping when the
-rows are full. The rows are those `raychat.data.loader.val_loader(index, ..., rank=0, world_size=1)`
-yields, bit for bit: the same documents in the same order into the same best-fit packer.
+rows are full. The rows are the val split's documents in corpus order, through the same best-fit
+packer (raychat.data.packer) as training, the same on every rank and every world size.
 
 At most one pass of documents: when the val split is smaller than --eval-tokens asks for, the rows
 stop once as many documents as the split holds have been packed, instead of evaluating its
@@ -27,7 +27,8 @@ DocId = tuple[int, int, int]
 
 
 def _val_documents(index: CorpusIndex, tokenizer: Tokenizer) -> Iterator[tuple[DocId, np.ndarray]]:
-    """((pass, unit, row), tokens) of the val split, BOS first, pass after pass (as val_loader reads it)."""
+    """((pass, unit, row), tokens) of the val split, BOS first, pass after pass (as nanochat's val
+    loader cycles it)."""
     if not index.num_val_docs:
         raise RaychatError(f"the validation split of {index.data_dir} is empty: add a non-empty last shard")
     passes = 0

@@ -7,6 +7,7 @@ and the unpacked bundle must load (raychat.evaluation.bundle); only then is it m
 `<out>` is either absent or a whole, valid bundle. Without a network the error says where to put it.
 """
 
+import argparse
 import shutil
 import tempfile
 import urllib.error
@@ -17,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from raychat.common import RaychatError
-from raychat.evaluation.bundle import CONFIG_FILE, Bundle, load_bundle
+from raychat.evaluation.bundle import CONFIG_FILE, Bundle, default_bundle_dir, load_bundle
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's
 TIMEOUT_S = 30
@@ -106,3 +107,25 @@ def download_eval_bundle(out: str | Path, url: str = EVAL_BUNDLE_URL,
     part.unlink()
     log(f"eval bundle: {len(bundle.tasks)} tasks, {bundle.num_examples:,} examples in {out}")
     return bundle
+
+
+COMMAND = "download-eval-bundle"
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """The `download-eval-bundle` command (its flags and help), for the command line that offers it
+    (`python -m raychat.corpus`, where users fetch their data): the command is this module's."""
+    p = commands.add_parser(
+        COMMAND, help="fetch nanochat's CORE eval bundle (resumable, checked)",
+        description="Fetch nanochat's eval bundle (core.yaml, eval_data/, eval_meta_data.csv: the tasks of "
+        "the CORE metric) and unpack it into --out. An interrupted download resumes; the zip's size and CRCs "
+        "and the bundle's files are checked before it is put in place. Offline, it says where to put it.")
+    p.add_argument("--out", default=None, help=f"bundle directory (default: {default_bundle_dir()})")
+    p.add_argument("--url", default=EVAL_BUNDLE_URL,
+                   help=f"where to fetch the zip (default: {EVAL_BUNDLE_URL})")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run `download-eval-bundle` with the flags `add_command` defined."""
+    download_eval_bundle(args.out or default_bundle_dir(), url=args.url)
+    return 0

@@ -45,6 +45,7 @@ from raychat.common import RaychatError
 from raychat.model.attention import AttentionMask, causal_attention, layer_masks
 from raychat.model.loss import softcapped_cross_entropy
 from raychat.model.precision import Precision, auto_dtype
+from raychat.records import Record
 
 ROTARY_BASE = 100_000
 ROTARY_OVERCOMPUTE = 10      # rotary tables cover 10x sequence_len, as nanochat's
@@ -55,7 +56,9 @@ VE_GATE_CHANNELS = 12
 SMEAR_GATE_CHANNELS = 24
 
 @dataclass
-class GPTConfig:
+class GPTConfig(Record):
+    """The model's shape, as checkpoints record it (a typed record: raychat.records)."""
+
     sequence_len: int = 2048
     vocab_size: int = 32768
     n_layer: int = 12

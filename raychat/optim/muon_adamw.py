@@ -17,7 +17,12 @@ its all-gather launched, so gathers run while later groups compute.
 
 `state_dict()` gathers the shards into full tensors keyed by parameter name, identical on every rank
 and independent of the world size; `load_state_dict()` re-shards such a state for the current one.
-Checkpoints do not gather: raychat.optim.state saves and restores each rank's own ranges.
+Checkpoints do not gather: `owned_pieces` lists the ranges of that canonical state this rank holds
+(its AdamW shards, rank 0 also the replicated remainders; the Muon momenta of the matrices it owns)
+as views of its own memory, `wanted_ranges` the ranges it needs at the current world size, and
+`load_owned` builds its state from them, with no collective (raychat.optim.base).
+
+`SPEC` builds it for a run (--optimizer muon_adamw, the default) with nanochat's schedules.
 """
 
 from dataclasses import dataclass, field
@@ -27,16 +32,30 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim.adamw import adamw as fused_adamw
 
+from raychat.config import TrainConfig
 from raychat.model.gpt import GPT
+from raychat.optim.base import (
+    OptimizerSpec,
+    OwnedPiece,
+    Range,
+    ReadRange,
+    ShardedOptimizer,
+    StateBytes,
+    check_saved_groups,
+)
 from raychat.optim.muon import muon_update
 from raychat.optim.shards import (
     adam_slots,
+    adamw_runs,
     adamw_shard_numel,
     check_saved_state,
     muon_buffers,
     muon_chunk,
+    owned_matrices,
+    state_shapes,
     world_and_rank,
 )
+from raychat.scaling import Plan, muon_momentum, muon_weight_decay
 
 # nanochat's AdamW sets: lr source, lr multiplier, scaled by (model_dim / 768) ** -0.5, betas, weight decay
 ADAMW_SETS = {
@@ -71,7 +90,7 @@ def _flat_grad(p: Tensor) -> Tensor:
     return p.grad.reshape(-1)
 
 
-class MuonAdamW(torch.optim.Optimizer):
+class MuonAdamW(ShardedOptimizer):
     """Muon for groups of kind "muon" (lr, momentum, beta2, weight_decay, ns_steps; every parameter of
     one shape), AdamW for kind "adamw" (lr, betas, eps, weight_decay). Every group also carries "names"
     (its parameters' names: the keys of the canonical state dict) and "initial_lr".
@@ -81,6 +100,8 @@ class MuonAdamW(torch.optim.Optimizer):
     takes part in every collective. After step(), `p.grad` still holds this rank's own gradient.
     `bf16_iteration`: run Muon's orthogonalisation in bf16 (where the model computes in bf16).
     """
+
+    name = "muon_adamw"
 
     def __init__(self, param_groups: list[dict], bf16_iteration: bool = False):
         for group in param_groups:
@@ -308,6 +329,81 @@ class MuonAdamW(torch.optim.Optimizer):
                         for key in ("momentum_buffer", "second_momentum_buffer")}
                 self.state[group["params"][0]].update(muon_buffers(group["params"], world, rank, full))
 
+    # ---- each rank's own ranges, for checkpoints ------------------------------------------------
+
+    def owned_pieces(self) -> tuple[list[OwnedPiece], dict]:
+        world, rank = self._check_layout()
+        pieces: list[OwnedPiece] = []
+        groups = [{key: value for key, value in g.items() if key != "params"} for g in self.param_groups]
+        plain: dict = {"param_groups": groups, "steps": {}, "stateful": []}
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                for name, p in zip(group["names"], group["params"], strict=True):
+                    slots = self.state[p].get("slots")
+                    if not slots:
+                        continue
+                    plain["stateful"].append(name)
+                    plain["steps"][name] = int(slots[0].step.item())
+                    sharded = adamw_shard_numel(p.numel(), world) * world
+                    for slot in slots:
+                        if slot.start < sharded or rank == 0:  # a replicated run is written once, by rank 0
+                            pieces += [(name, "exp_avg", tuple(p.shape), slot.start, slot.exp_avg),
+                                       (name, "exp_avg_sq", tuple(p.shape), slot.start, slot.exp_avg_sq)]
+                continue
+            state = self.state[group["params"][0]]
+            if not state:
+                continue
+            plain["stateful"] += group["names"]
+            shapes = state_shapes("muon", group["params"][0].shape)
+            for row, i in enumerate(owned_matrices(len(group["params"]), world, rank)):
+                for key, shape in shapes.items():
+                    pieces.append((group["names"][i], key, shape, 0, state[key][row]))
+        return pieces, plain
+
+    def wanted_ranges(self, stateful: list[str]) -> list[Range]:
+        world, rank = world_and_rank()
+        has_state = set(stateful)
+        ranges: list[Range] = []
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                for name, p in zip(group["names"], group["params"], strict=True):
+                    if name in has_state:
+                        for start, length in adamw_runs(p.numel(), world, rank):
+                            ranges += [(name, key, tuple(p.shape), start, length)
+                                       for key in ("exp_avg", "exp_avg_sq")]
+            elif group["names"][0] in has_state:
+                shapes = state_shapes("muon", group["params"][0].shape)
+                for i in owned_matrices(len(group["params"]), world, rank):
+                    ranges += [(group["names"][i], key, shape, 0, shape[0] * shape[1])
+                               for key, shape in shapes.items()]
+        return ranges
+
+    @torch.no_grad()
+    def load_owned(self, plain: dict, read: ReadRange) -> None:
+        check_saved_groups(self.param_groups, plain["param_groups"])
+        world, rank = world_and_rank()
+        self._layout = (world, rank)
+        self.state.clear()
+        has_state = set(plain["stateful"])
+        # Only the state is restored: the groups keep the hyperparameters this run was built with
+        # (learning rates and their scale, betas, eps, weight decay), so a rerun with lower rates after a
+        # NaN, or another batch size, trains with what it asked for from this step on.
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                for name, p in zip(group["names"], group["params"], strict=True):
+                    if name in has_state:
+                        slots = adam_slots(p, world, rank, step=plain["steps"][name])
+                        for slot in slots:
+                            slot.exp_avg.copy_(read(name, "exp_avg", slot.start))
+                            slot.exp_avg_sq.copy_(read(name, "exp_avg_sq", slot.start))
+                        self.state[p]["slots"] = slots
+            elif group["names"][0] in has_state:
+                buffers = muon_buffers(group["params"], world, rank)
+                for row, i in enumerate(owned_matrices(len(group["params"]), world, rank)):
+                    for key, buffer in buffers.items():
+                        buffer[row].copy_(read(group["names"][i], key, 0).view(buffer.shape[1:]))
+                self.state[group["params"][0]].update(buffers)
+
 
 def build_optimizer(model: GPT, *, embedding_lr: float, unembedding_lr: float, matrix_lr: float,
                     scalar_lr: float, weight_decay: float) -> MuonAdamW:
@@ -340,3 +436,35 @@ def build_optimizer(model: GPT, *, embedding_lr: float, unembedding_lr: float, m
         groups.append({"kind": "muon", "params": params, "names": [names[id(p)] for p in params],
                        "lr": matrix_lr, "weight_decay": weight_decay, **MUON_DEFAULTS})
     return MuonAdamW(groups, bf16_iteration=model.compute_dtype == torch.bfloat16)
+
+
+class MuonAdamWSpec(OptimizerSpec):
+    """--optimizer muon_adamw: nanochat's lrs (--embedding-lr, --unembedding-lr, --matrix-lr,
+    --scalar-lr, times the batch-size scale), and its Muon momentum and weight decay schedules."""
+
+    def build(self, model: GPT, cfg: TrainConfig, plan: Plan) -> MuonAdamW:
+        return build_optimizer(model, embedding_lr=cfg.embedding_lr * plan.lr_scale,
+                               unembedding_lr=cfg.unembedding_lr * plan.lr_scale,
+                               matrix_lr=cfg.matrix_lr * plan.lr_scale,
+                               scalar_lr=cfg.scalar_lr * plan.lr_scale, weight_decay=plan.weight_decay)
+
+    def schedule(self, optimizer: ShardedOptimizer, cfg: TrainConfig, plan: Plan, step: int) -> None:
+        momentum = muon_momentum(step, plan.num_iterations, cfg.warmdown_ratio)
+        weight_decay = muon_weight_decay(step, plan.num_iterations, plan.weight_decay)
+        for group in optimizer.param_groups:
+            if group["kind"] == "muon":
+                group["momentum"] = momentum
+                group["weight_decay"] = weight_decay
+
+    def state_bytes(self, params: dict[str, int], world_size: int) -> StateBytes:
+        """With M parameters in the transformer's matrices (Muon) and A others (AdamW), fp32: AdamW's
+        two moments and Muon's momentum, sharded (Muon's factored second moment, one value per row,
+        is left out); during the step a Muon group's stacked matrices (its all-gather buffer) and the
+        reduce-scattered AdamW shards. Each rank saves what it holds."""
+        muon = params["transformer_matrices"]
+        adamw = params["total"] - muon
+        state = (8 * adamw + 4 * muon) // world_size
+        return StateBytes(state=state, step_buffers=4 * muon + 4 * adamw // world_size, saved=state)
+
+
+SPEC = MuonAdamWSpec()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from raychat.common import RaychatError
+from raychat.optim.base import check_saved_groups
 
 # AdamW tensors smaller than this are replicated, not sharded: one coalesced all-reduce of all of
 # them costs less than a reduce-scatter plus an all-gather each (nanochat's threshold).
@@ -46,6 +47,20 @@ def muon_chunk(num_matrices: int, world: int) -> int:
     return math.ceil(num_matrices / world)
 
 
+def adamw_runs(numel: int, world: int, rank: int) -> list[tuple[int, int]]:
+    """(start, length) of the runs of a flattened AdamW tensor that `rank` updates: its shard, then
+    the replicated rest."""
+    shard = adamw_shard_numel(numel, world)
+    runs = [(rank * shard, shard), (shard * world, numel - shard * world)]
+    return [(start, length) for start, length in runs if length]
+
+
+def owned_matrices(num_matrices: int, world: int, rank: int) -> range:
+    """Indices of the matrices of a Muon group that `rank` owns (none past the group's end)."""
+    chunk = muon_chunk(num_matrices, world)
+    return range(rank * chunk, min(num_matrices, (rank + 1) * chunk))
+
+
 def state_shapes(kind: str, shape: torch.Size) -> dict[str, tuple[int, ...]]:
     """Shapes of one parameter's tensors in the canonical state dict."""
     if kind == "adamw":
@@ -59,12 +74,8 @@ def state_shapes(kind: str, shape: torch.Size) -> dict[str, tuple[int, ...]]:
 def check_saved_state(param_groups: list[dict], state_dict: dict) -> None:
     """A canonical state dict (MuonAdamW.state_dict(), from any world size) fits these groups:
     RaychatError naming what to do if it was saved for another model."""
-    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
-    if [(g["kind"], list(g["names"])) for g in saved_groups] != \
-            [(g["kind"], list(g["names"])) for g in param_groups]:
-        raise RaychatError("the optimizer state in this checkpoint has other parameter groups than this "
-                           "model: resume with the saved run's model flags (--depth, --aspect-ratio, "
-                           "--head-dim, ...) or start a new --run-name")
+    check_saved_groups(param_groups, state_dict["param_groups"])
+    saved_state = state_dict["state"]
     for group in param_groups:
         for name, p in zip(group["names"], group["params"], strict=True):
             for key, shape in state_shapes(group["kind"], p.shape).items():
@@ -92,11 +103,8 @@ def adam_slots(p: Tensor, world: int, rank: int, full: dict[str, Tensor] | None 
                step: int = 0) -> list[AdamSlot]:
     """This rank's runs of `p` (its shard, then the replicated rest), state cut from `full`
     (whole-tensor exp_avg and exp_avg_sq) or zeros."""
-    shard = adamw_shard_numel(p.numel(), world)
     slots = []
-    for start, length in ((rank * shard, shard), (shard * world, p.numel() - shard * world)):
-        if length == 0:
-            continue
+    for start, length in adamw_runs(p.numel(), world, rank):
         step_t = torch.tensor(float(step), dtype=torch.float32, device=p.device)
         slot = AdamSlot(start, torch.zeros(length, device=p.device, dtype=p.dtype),
                         torch.zeros(length, device=p.device, dtype=p.dtype), step_t)

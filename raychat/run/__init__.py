@@ -1,6 +1,20 @@
-"""One training run on Ray: the worker's set-up (worker_setup) and step loop (loop), one optimizer
-step in plain PyTorch (step), validation (evaluate), elastic coordination with Ray Train (elastic),
-metrics for the dashboard and wandb (metrics), the checkpoint cadence (cadence), where the run's
-time went (ledger), the driver's console (console), the environment workers get (runtime_env) and
-the private Ray APIs all of it uses (ray_internals).
+"""One training run on Ray.
+
+    driver         the driver library shared by raychat.train and tune.sweep
+    lease          one driver per run: the lease epoch and its heartbeat
+    worker_setup   a worker's set-up: model, optimizer, loader, checkpoint, sinks
+    loop           the step loop
+    step           one optimizer step in plain PyTorch
+    validation     validation bits per byte and the sample prompts
+    core_metric    the CORE metric in a run (raychat.evaluation)
+    checkpointing  what each rank saves and reads back
+    cadence        when to save
+    elastic        coordination with Ray Train across failures and resizes
+    metrics        the log line, and the publisher that fans records out to its sinks
+    metrics_log    the run's metrics.jsonl, and the timeline read from it
+    ledger         where the run's time went (goodput)
+    console        the driver's console
+    quiet          Ray's chatter silenced
+    runtime_env    the environment workers get
+    ray_internals  every private Ray API the above use
 """

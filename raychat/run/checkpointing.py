@@ -2,9 +2,10 @@
 
 Save: every rank hands its saver the pieces it owns (`state_pieces`), named
 world-size-independently: `model/<param>` for its 1/W of the model
-(raychat.checkpoint.sharded.model_ranges) and `optim/<param>/<key>` for its optimizer shards
-(raychat.optim.state). No tensor is gathered; the loop's one collective for a save is the loader
-cursors' (a few kilobytes), which also gives every rank the save's token.
+(raychat.checkpoint.sharded.model_ranges) and `optim/<param>/<key>` for the optimizer state it holds
+(which is the optimizer's to say: raychat.optim.base.ShardedOptimizer), with the optimizer's name, so
+that a resume under another optimizer is refused. No tensor is gathered; the loop's one collective
+for a save is the loader cursors' (a few kilobytes), which also gives every rank the save's token.
 
 Resume at any W: `read_share` (local reads only, so damage found by any rank can be agreed on
 before any collective) reads the rank's 1/W of the model and the optimizer ranges it will own;
@@ -20,25 +21,25 @@ import torch.distributed as dist
 
 from raychat.checkpoint.reader import CheckpointReader
 from raychat.checkpoint.sharded import Piece, model_ranges, split_range
-from raychat.optim.muon_adamw import MuonAdamW
-from raychat.optim.state import load_owned, owned_pieces, wanted_ranges
+from raychat.optim.base import ShardedOptimizer
+from raychat.optim.registry import check_same_optimizer
 
 
 def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def state_pieces(model: torch.nn.Module, optimizer: MuonAdamW, world: int, rank: int
+def state_pieces(model: torch.nn.Module, optimizer: ShardedOptimizer, world: int, rank: int
                  ) -> tuple[list[Piece], dict]:
     """The pieces this rank owns (views of its own memory) and the optimizer's plain data."""
     state = model.state_dict()
     pieces = [Piece(f"model/{name}", tuple(state[name].shape), start,
                     state[name].detach().reshape(-1)[start:stop])
               for name, start, stop in model_ranges(model_shapes(model), world, rank)]
-    owned, plain = owned_pieces(optimizer)
+    owned, plain = optimizer.owned_pieces()
     pieces += [Piece(f"optim/{name}/{key}", shape, start, tensor)
                for name, key, shape, start, tensor in owned]
-    return pieces, plain
+    return pieces, {**plain, "optimizer": optimizer.name}
 
 
 @dataclass
@@ -50,15 +51,18 @@ class Share:
     plain: dict
 
 
-def read_share(reader: CheckpointReader, model: torch.nn.Module, optimizer: MuonAdamW, world: int,
+def read_share(reader: CheckpointReader, model: torch.nn.Module, optimizer: ShardedOptimizer, world: int,
                rank: int) -> Share:
-    """This rank's reads (no collective: a damaged file raises here, on this rank only)."""
+    """This rank's reads (no collective: a damaged file raises here, on this rank only). A checkpoint
+    of another optimizer is refused before any read: its state has other keys and layouts."""
+    if reader.extra.get("param_groups"):
+        check_same_optimizer(reader.extra.get("optimizer"), optimizer.name, str(reader.directory))
     shapes = model_shapes(model)
     parts = [reader.read(f"model/{name}", start, stop - start, shape=shapes[name])
              for name, start, stop in model_ranges(shapes, world, rank)]
     flat = torch.cat(parts) if parts else torch.empty(0)
     optim = {(name, key, start): reader.read(f"optim/{name}/{key}", start, numel, shape=shape)
-             for name, key, shape, start, numel in wanted_ranges(optimizer, reader.extra.get("stateful", []))}
+             for name, key, shape, start, numel in optimizer.wanted_ranges(reader.extra.get("stateful", []))}
     return Share(flat, optim, reader.extra)
 
 
@@ -76,7 +80,7 @@ def _gather_model(flat: torch.Tensor, total: int, world: int, device: torch.devi
 
 
 @torch.no_grad()
-def apply_share(share: Share, model: torch.nn.Module, optimizer: MuonAdamW, world: int,
+def apply_share(share: Share, model: torch.nn.Module, optimizer: ShardedOptimizer, world: int,
                 device: torch.device) -> None:
     """Load the model (one all-gather) and this rank's optimizer state (collective: all ranks)."""
     shapes = model_shapes(model)
@@ -88,4 +92,4 @@ def apply_share(share: Share, model: torch.nn.Module, optimizer: MuonAdamW, worl
         offset += n
     model.load_state_dict(state, strict=True)
     if share.plain.get("param_groups"):
-        load_owned(optimizer, share.plain, lambda name, key, start: share.optim[(name, key, start)])
+        optimizer.load_owned(share.plain, lambda name, key, start: share.optim[(name, key, start)])

@@ -40,14 +40,16 @@ from raychat.corpus.index import CorpusIndex, check_checkpoint_corpus
 from raychat.data.loader import check_cursor_fits
 from raychat.model.compile_check import check_compile
 from raychat.model.precision import check_precision
+from raychat.optim.registry import check_same_optimizer
 from raychat.run.console import install_driver_printer, plain_when_redirected
 from raychat.run.core_metric import check_eval_bundle
 from raychat.run.elastic import (
+    FinalResult,
     FreshClusterView,
     NoteRestart,
     PlannedResizeSave,
     RecordReservation,
-    final_metrics,
+    final_result,
     release_stale_reservation,
     start_coordinator,
 )
@@ -56,6 +58,7 @@ from raychat.run.loop import train_loop_per_worker
 from raychat.run.quiet import VERBOSE_ENV, quiet_ray, verbose
 from raychat.run.ray_internals import record_command_line_redacted
 from raychat.run.runtime_env import worker_runtime_env
+from raychat.run.worker_setup import WorkerRunConfig
 from raychat.scaling import Plan, resolve_plan
 from raychat.storage import Storage, is_uri, normalize_location, redact
 from raychat.tokenizer.core import Tokenizer, check_vocab
@@ -164,15 +167,17 @@ def choose_checkpoint(cfg: TrainConfig, tokenizer: Tokenizer, index: CorpusIndex
 def check_resume_fits(cfg: TrainConfig, plan: Plan, index: CorpusIndex, meta: CheckpointMeta,
                       checkpoint: Storage) -> None:
     """What cannot change on resume, refused here in one line instead of a retried traceback in
-    every worker: the model's shape and vocabulary, and a corpus the saved cursor cannot continue
-    (other shards, or as many row groups in another order)."""
-    saved = meta.model_config
-    changed = [f"{key} {saved.get(key)} -> {value}" for key, value in dataclasses.asdict(plan.model).items()
-               if saved.get(key) != value]
+    every worker: the model's shape and vocabulary, the optimizer whose state it saved, and a corpus
+    the saved cursor cannot continue (other shards, or as many row groups in another order)."""
+    saved = dataclasses.asdict(meta.model_config)
+    changed = [f"{key} {saved[key]} -> {value}" for key, value in dataclasses.asdict(plan.model).items()
+               if saved[key] != value]
     if changed:
         raise RaychatError(f"{checkpoint} holds another model than these flags build ({', '.join(changed)}): "
                            "resume with the run's model flags (--depth, --aspect-ratio, --head-dim, "
                            "--max-seq-len, --window-pattern, tokenizer) or start a new --run-name")
+    saved_optimizer = meta.user_config.optimizer if meta.user_config else None  # None: saved before the flag
+    check_same_optimizer(saved_optimizer, cfg.optimizer, str(checkpoint))
     if meta.cursor is not None:
         check_cursor_fits(meta.cursor, len(index.train), cfg.shuffle_seed if cfg.shuffle_seed >= 0 else None,
                           cfg.data_dir)
@@ -311,23 +316,15 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
     run_kwargs = dict(name=cfg.name, failure_config=FailureConfig(max_failures=cfg.max_failures),
                       callbacks=callbacks, logging_config=train_logging(), **ray_storage(cfg.storage_path))
     run_kwargs.update(run_config_overrides or {})
+    worker_config = WorkerRunConfig(
+        train_config=cfg, plan=run.plan, corpus_index=ray.put(run.index),
+        tokenizer_fingerprint=run.tokenizer.fingerprint, session=run.session, lease_epoch=run.lease_epoch,
+        launched=run.launched, resume_from=run.resume_from.name if run.resume_from is not None else None,
+        init_weights=ray.put(run.init_weights.state) if run.init_weights is not None else None,
+        compile_checked=run.compile_checked)
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "train_config": cfg.to_dict(),
-            "plan": run.plan.to_json(),
-            # Where the index is, not the index (megabytes for a real corpus): Ray Train keeps this
-            # config in its run state. The workers get it from the object store and check its identity.
-            "corpus_index": ray.put(run.index),
-            "tokenizer_fingerprint": run.tokenizer.fingerprint,  # every rank must load this one
-            "session": run.session,
-            "lease_epoch": run.lease_epoch,  # checked before every save and prune (raychat.checkpoint.fence)
-            "launched": run.launched,  # the time ledger's start (raychat.run.ledger)
-            "resume_from": run.resume_from.name if run.resume_from is not None else None,
-            # Through the object store: the nanochat file need not be on the workers' nodes.
-            "init_weights": ray.put(run.init_weights.state) if run.init_weights is not None else None,
-            "compile_checked": run.compile_checked,
-        },
+        train_loop_config=worker_config.to_dict(),
         scaling_config=scaling_config(cfg),
         run_config=RunConfig(**run_kwargs),
     )
@@ -352,22 +349,21 @@ def worker_error(error: BaseException) -> RaychatError | None:
 def stopped_by_error(run: PreparedRun) -> RaychatError | None:
     """The user error a worker of this run left in the stop note (raychat.run.loop), if any."""
     note = read_stop_note(run.cfg.storage_path, run.cfg.name)
-    if note is not None and note.get("reason") == "error" and note.get("session") == run.session:
-        return RaychatError(note["message"])
+    if note is not None and note.of(run.session, "error"):
+        return RaychatError(note.message)
     return None
 
 
-def finished_metrics(run: PreparedRun, log: Log = print) -> dict:
-    """The final metrics of a run that already reached its horizon (from its last checkpoint):
-    re-running it trains nothing and rewrites no checkpoint."""
+def finished_result(run: PreparedRun, log: Log = print) -> FinalResult:
+    """The result of a run that already reached its horizon (from its last checkpoint): re-running
+    it trains nothing and rewrites no checkpoint."""
     meta = run.resume_meta
     log(f"Run {run.run_dir} already reached its horizon ({run.resume_from.name}, step {meta.step:,} of "
         f"{run.plan.num_iterations:,}): nothing to train; raise the horizon to train on")
     loop = meta.loop_state
-    return {"step": meta.step, "min_val_bpb": loop.get("min_val_bpb", float("nan")),
-            "tokens_so_far": meta.step * run.plan.total_batch_size,
-            "total_training_time": loop.get("total_training_time", 0.0),
-            "core_metric": loop.get("core_metric")}
+    return FinalResult(step=meta.step, tokens_so_far=meta.step * run.plan.total_batch_size,
+                       min_val_bpb=loop.min_val_bpb, total_training_time=loop.total_training_time,
+                       core_metric=loop.core_metric)
 
 
 def hold_run(run: PreparedRun, log: Log = print) -> RunLease:
@@ -410,21 +406,21 @@ def _interrupt_fit(run: PreparedRun) -> Callable[[str], None] | None:
     return interrupt
 
 
-def fit_run(run: PreparedRun, callbacks: list | None = None) -> dict:
-    """Train the run to its end; its final metrics. A user error from a worker, a NaN stop, or the
+def fit_run(run: PreparedRun, callbacks: list | None = None) -> FinalResult:
+    """Train the run to its end; what it reached. A user error from a worker, a NaN stop, or the
     loss of the run's lease to another driver comes back as one RaychatError line."""
     if run.finished:
-        return finished_metrics(run)
+        return finished_result(run)
     lease = hold_run(run)
     release_stale_reservation(run.run_dir)
     try:
         if run.finished:  # the driver it took over from reached the horizon meanwhile
-            return finished_metrics(run)
+            return finished_result(run)
         trainer = build_trainer(run, callbacks=callbacks)
         clear_stop_note(run.cfg.storage_path, run.cfg.name)
         try:
             run.fitting = True
-            result = trainer.fit()
+            trainer.fit()
         except (Exception, KeyboardInterrupt, SystemExit) as e:  # Ray wraps worker errors: one line
             if lease.lost is not None:  # (Ray's Ctrl-C handler exits 0 if the controller is gone)
                 raise RaychatError(lease.lost) from None
@@ -441,30 +437,32 @@ def fit_run(run: PreparedRun, callbacks: list | None = None) -> dict:
     if user_error is not None:
         raise user_error
     stop = read_stop_note(run.cfg.storage_path, run.cfg.name)
-    if stop is not None and stop.get("reason") == "nan" and stop.get("session") == run.session:
-        raise RaychatError(f"loss or weights became NaN/inf at step {stop['step']}: training stopped; the "
+    if stop is not None and stop.of(run.session, "nan"):
+        raise RaychatError(f"loss or weights became NaN/inf at step {stop.step}: training stopped; the "
                            f"last good checkpoint is kept in {run.run_dir} (lower the learning rates or "
                            "check the data, then re-run to resume)")
-    return final_metrics(run.session) or result.metrics or {}
+    result = final_result(run.session)
+    if result is None:  # every way a run ends without its last report raised above
+        raise RuntimeError(f"the workers of run {run.run_dir} ended without reporting its last step")
+    return result
 
 
-def summary_lines(run: PreparedRun, metrics: dict, wall_seconds: float) -> list[str]:
+def summary_lines(run: PreparedRun, result: FinalResult, wall_seconds: float) -> list[str]:
     """The end-of-run summary the CLI prints."""
     lines = [
         "Training done.",
-        f"  min val bpb     : {metrics.get('min_val_bpb', float('nan')):.6f}",
-        f"  steps           : {metrics.get('step', 0):,}",
-        f"  tokens trained  : {metrics.get('tokens_so_far', 0):,}",
-        f"  training time   : {metrics.get('total_training_time', 0.0) / 60:.2f}m "
-        f"(wall {wall_seconds / 60:.2f}m)",
+        f"  min val bpb     : {result.min_val_bpb:.6f}",
+        f"  steps           : {result.step:,}",
+        f"  tokens trained  : {result.tokens_so_far:,}",
+        f"  training time   : {result.total_training_time / 60:.2f}m (wall {wall_seconds / 60:.2f}m)",
     ]
-    if metrics.get("core_metric") is not None:
-        lines.append(f"  CORE metric     : {metrics['core_metric']:.4f}")
-    if metrics.get("restarts") or metrics.get("resizes"):
-        lines.append(f"  restarts        : {metrics.get('restarts', 0)} ({metrics.get('redone_steps', 0)} "
-                     f"steps redone), planned resizes: {metrics.get('resizes', 0)}")
-    if metrics.get("peak_memory_mib"):
-        lines.append(f"  peak memory     : {metrics['peak_memory_mib']:,.0f} MiB (rank 0)")
+    if result.core_metric is not None:
+        lines.append(f"  CORE metric     : {result.core_metric:.4f}")
+    if result.restarts or result.resizes:
+        lines.append(f"  restarts        : {result.restarts} ({result.redone_steps} steps redone), planned "
+                     f"resizes: {result.resizes}")
+    if result.peak_memory_mib:
+        lines.append(f"  peak memory     : {result.peak_memory_mib:,.0f} MiB (rank 0)")
     final = latest_valid_checkpoint(run.run_dir, deep=False)
     if final is not None:
         lines.append(f"  checkpoint      : {final}")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raychat.records import Record
 from raychat.run.ray_internals import (
     AUTOSCALING_COORDINATOR,
     ControllerCallback,
@@ -41,6 +42,36 @@ SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before
 RESERVATION_FILE = "raychat_reservation.json"  # in the run directory: the controller's resource request
 
 
+@dataclass
+class Attempt(Record):
+    """What the coordinator knows of the attempt before the one starting (`Coordinator.start_attempt`):
+    what its log line and the time ledger say about the restart."""
+
+    attempt: int  # how many attempts started before this one (0: this is the first)
+    last_step: int | None  # the last step it finished
+    world_size: int | None
+    planned_step: int | None  # the step it saved for a planned resize
+    notice_step: int | None  # the step it saved on a preemption notice
+    last_progress: float | None  # when it last finished a step
+    noticed: float | None  # when the controller began the restart or resize
+
+
+@dataclass
+class FinalResult(Record):
+    """What a run reached, from rank 0's last report (`Coordinator.finish`) or, for a run already at
+    its horizon, its last checkpoint: the driver's summary."""
+
+    step: int
+    tokens_so_far: int
+    min_val_bpb: float
+    total_training_time: float
+    core_metric: float | None = None
+    restarts: int = 0
+    resizes: int = 0
+    redone_steps: int = 0
+    peak_memory_mib: float | None = None
+
+
 @ray.remote(num_cpus=0)
 class Coordinator:
     """Shared state of one run's attempts (one actor per driver run, named after its session)."""
@@ -54,14 +85,14 @@ class Coordinator:
         self.last_progress: float | None = None  # when the current attempt last finished a step
         self.noticed: float | None = None  # when the controller last began a restart or resize
         self.attempts = 0
-        self.final: dict = {}
+        self.final: FinalResult | None = None
 
     def request_save(self) -> None:
         """A planned resize asks for a save. After the last step there is nothing left to save (the
         final checkpoint is written before `finish`): answered at once, so the controller's hold
         ends now instead of after SAVE_WAIT_S."""
-        if self.final:
-            self.save_requested, self.saved_step = False, self.final.get("step")
+        if self.final is not None:
+            self.save_requested, self.saved_step = False, self.final.step
             return
         self.save_requested, self.saved_step = True, None
 
@@ -84,22 +115,22 @@ class Coordinator:
         """The controller began restarting or resizing the group (`NoteRestart`), at `at`."""
         self.noticed = at
 
-    def finish(self, metrics: dict) -> None:
+    def finish(self, result: FinalResult) -> None:
         """Rank 0's last report: Ray Train hands the driver only metrics reported with a checkpoint,
         and raychat writes its checkpoints itself. A resize request still open (it came at the last
         step, when the loop saves no more) is answered with the final step."""
-        self.final = metrics
+        self.final = result
         if self.save_requested:
-            self.saved(metrics.get("step"))
+            self.saved(result.step)
 
-    def final_metrics(self) -> dict:
+    def final_result(self) -> FinalResult | None:
         return self.final
 
-    def start_attempt(self, step: int, world_size: int) -> dict:
+    def start_attempt(self, step: int, world_size: int) -> Attempt:
         """Called by rank 0 of each new attempt: what the previous attempt did."""
-        previous = {"attempt": self.attempts, "last_step": self.last_step, "world_size": self.world_size,
-                    "planned_step": self.saved_step, "notice_step": self.notice_step,
-                    "last_progress": self.last_progress, "noticed": self.noticed}
+        previous = Attempt(attempt=self.attempts, last_step=self.last_step, world_size=self.world_size,
+                           planned_step=self.saved_step, notice_step=self.notice_step,
+                           last_progress=self.last_progress, noticed=self.noticed)
         self.attempts += 1
         self.last_step, self.world_size, self.saved_step, self.notice_step = None, world_size, None, None
         self.last_progress = self.noticed = None
@@ -126,9 +157,9 @@ def start_coordinator(session: str) -> "ray.actor.ActorHandle":
     return _LIVE[session]
 
 
-def final_metrics(session: str) -> dict:
-    """The metrics rank 0 reported at the last step of the run started with `session` ({} if none)."""
-    return ray.get(_LIVE[session].final_metrics.remote())
+def final_result(session: str) -> FinalResult | None:
+    """What rank 0 reported at the last step of the run started with `session` (None: nothing yet)."""
+    return ray.get(_LIVE[session].final_result.remote())
 
 
 class PlannedResizeSave(ControllerCallback):
@@ -246,22 +277,22 @@ class AttemptStart:
     redone_steps: int = 0
 
 
-def describe_attempt(previous: dict, step: int, world_size: int, checkpoint: str | None) -> AttemptStart:
+def describe_attempt(previous: Attempt, step: int, world_size: int, checkpoint: str | None) -> AttemptStart:
     """One log line for a restarted attempt (None for the first)."""
-    if previous["attempt"] == 0:
+    if previous.attempt == 0:
         return AttemptStart("first", None)
-    before = previous["world_size"] or world_size
-    if previous["planned_step"] is not None:
+    before = previous.world_size or world_size
+    if previous.planned_step is not None:
         verb = "Grew" if world_size > before else "Resized"
         return AttemptStart("planned", f"{verb} to {world_size} workers at step {step} (no steps redone)")
-    last = previous["last_step"]
+    last = previous.last_step
     redone = max(0, last + 1 - step) if last is not None else 0
     lost = before - world_size
     what = f"Lost {lost} worker(s)" if lost > 0 else "A worker failed"
-    if previous.get("notice_step") is not None:
+    if previous.notice_step is not None:
         # Steps trained after the notice's save are redone: Ray's advice is to save, then train on
         # (the notice may come long before the node goes).
-        what = f"Preempted (saved step {previous['notice_step']} on the notice)"
+        what = f"Preempted (saved step {previous.notice_step} on the notice)"
     where = f"from step {step} ({checkpoint})" if checkpoint else f"from step {step} (no checkpoint yet)"
     return AttemptStart("failure", f"{what}: continuing on {world_size} {where}; {redone} steps redone",
                         redone)

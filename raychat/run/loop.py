@@ -16,7 +16,7 @@ import os
 import resource
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,11 @@ import torch
 
 import raychat
 from raychat.checkpoint.fence import Fence, LeaseLost
-from raychat.checkpoint.meta import CheckpointMeta
-from raychat.checkpoint.stop_note import read_stop_note, write_stop_note
+from raychat.checkpoint.meta import CheckpointMeta, Totals
+from raychat.checkpoint.stop_note import StopNote, read_stop_note, write_stop_note
 from raychat.common import RaychatError
 from raychat.config import TrainConfig
+from raychat.data.cursor import Cursor
 from raychat.data.loader import merge_cursor
 from raychat.data.validation import pack_validation_rows
 from raychat.model.flops import mfu as compute_mfu
@@ -36,11 +37,11 @@ from raychat.model.generate import generate
 from raychat.run.cadence import SaveCadence
 from raychat.run.checkpointing import state_pieces
 from raychat.run.core_metric import core_due, evaluate_core
-from raychat.run.elastic import ElasticSignals
-from raychat.run.evaluate import SAMPLE_PROMPTS, evaluate_bpb
+from raychat.run.elastic import ElasticSignals, FinalResult
 from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
 from raychat.run.step import train_step
-from raychat.run.worker_setup import LoopState, Worker, all_gather_objects, setup
+from raychat.run.validation import SAMPLE_PROMPTS, evaluate_bpb
+from raychat.run.worker_setup import LoopState, Worker, WorkerRunConfig, all_gather_objects, setup
 from raychat.storage import Storage
 
 PLANNED_RESIZE_WAIT_S = 120.0  # after a planned-resize save, how long to wait for Ray to restart the group
@@ -87,15 +88,15 @@ def sample(w: Worker, step: int) -> None:
     w.publisher.samples(step, texts)
 
 
-def checkpoint_meta(w: Worker, state: LoopState, cursor: dict) -> CheckpointMeta:
+def checkpoint_meta(w: Worker, state: LoopState, cursor: Cursor) -> CheckpointMeta:
     """Rank 0's record of the state before step `state.step` (lineage is filled in by the saver)."""
+    tokens = state.step * w.plan.total_batch_size
     return CheckpointMeta(
-        step=state.step, model_config=asdict(w.plan.model), world_size=w.world_size,
+        step=state.step, model_config=w.plan.model, world_size=w.world_size,
         vocab_size=w.tokenizer.vocab_size, tokenizer_fingerprint=w.tokenizer.fingerprint, session=w.session,
-        raychat_version=raychat.__version__, plan=w.plan.to_json(), user_config=w.cfg.to_public_dict(),
-        corpus=w.corpus_meta, cursor=cursor, loop_state=asdict(state), val_bpb=state.val_bpb,
-        metrics={"tokens_so_far": state.step * w.plan.total_batch_size,
-                 "flops_so_far": state.step * w.plan.total_batch_size * w.plan.flops_per_token},
+        raychat_version=raychat.__version__, plan=w.plan, user_config=w.cfg, corpus=w.corpus_meta,
+        cursor=cursor, loop_state=replace(state),  # a copy: the loop trains on while the save is written
+        val_bpb=state.val_bpb, metrics=Totals(tokens, tokens * w.plan.flops_per_token),
     )
 
 
@@ -132,7 +133,8 @@ def save(w: Worker, state: LoopState, wait: bool) -> bool:
         raise LeaseLost(gathered[0][2])
     pieces, plain = state_pieces(w.orig_model, w.optimizer, w.world_size, w.rank)
     cursors = [cursor for cursor, _, _ in gathered]
-    meta = checkpoint_meta(w, state, merge_cursor(cursors)) if w.master else None
+    merged = merge_cursor(cursors, w.loader.num_units, w.loader.shuffle_seed) if w.master else None
+    meta = checkpoint_meta(w, state, merged) if w.master else None
     w.saver.save(state.step, pieces, gathered[0][1], meta, extra=plain, wait=wait)
     return True
 
@@ -144,7 +146,7 @@ def stop_on_nan(w: Worker, what: str, step: int) -> None:
     w.log(f"{what} at step {step}: stopping")
     # A superseded group's note would stop the new driver's run: only the run's writer leaves one.
     if w.master and w.saver.fence.newer() is None:
-        write_stop_note(w.storage_path, w.cfg.name, {"reason": "nan", "step": step, "session": w.session})
+        write_stop_note(w.storage_path, w.cfg.name, StopNote(reason="nan", session=w.session, step=step))
 
 
 def save_on_request(w: Worker, state: LoopState, signals: ElasticSignals) -> bool:
@@ -197,8 +199,12 @@ def report(w: Worker, state: LoopState, metrics: dict, last_step: bool, coordina
         usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
         on_cuda = w.device.type == "cuda"
         metrics["peak_memory_mib"] = torch.cuda.max_memory_allocated(w.device) / 2**20 if on_cuda else usage
-        if coordinator is not None:
-            ray.get(coordinator.finish.remote(metrics))  # the driver's summary
+        if coordinator is not None:  # the driver's summary
+            ray.get(coordinator.finish.remote(FinalResult(
+                step=state.step, tokens_so_far=tokens_so_far, min_val_bpb=state.min_val_bpb,
+                total_training_time=state.total_training_time, core_metric=metrics.get("core_metric"),
+                restarts=state.restarts, resizes=state.resizes, redone_steps=state.redone_steps,
+                peak_memory_mib=metrics["peak_memory_mib"])))
     w.publisher.report(metrics)
 
 
@@ -222,18 +228,19 @@ def _save_due(cfg: TrainConfig, step: int, signals: ElasticSignals) -> bool:
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """Ray Train entry point (raychat.run.driver.build_trainer writes `config`).
+    """Ray Train entry point: `config` is the WorkerRunConfig raychat.run.driver.build_trainer wrote.
 
     Ray's failure policy retries every worker exception, but a RaychatError is the user's to fix (a
     corpus that no longer fits the checkpoint's cursor, a wrong tokenizer): no retry can succeed,
     and with --max-failures -1 the run would loop forever. So the error is left in the stop note
     and a retry of this session ends at once, without an error, for the driver to report it."""
-    cfg = TrainConfig.from_dict(config["train_config"])
+    run_config = WorkerRunConfig.from_dict(config, where="train_loop_config")
+    cfg = run_config.train_config
     note = read_stop_note(cfg.storage_path, cfg.name)
-    if note is not None and note.get("reason") == "error" and note.get("session") == config["session"]:
+    if note is not None and note.of(run_config.session, "error"):
         return
     try:
-        _train(config)
+        _train(run_config)
     except LeaseLost as e:
         # Another driver holds the run: this group ends without a word to storage (no stop note),
         # and a restart of it by Ray ends at its start (raychat.run.worker_setup). The driver,
@@ -241,13 +248,13 @@ def train_loop_per_worker(config: dict) -> None:
         print(f"raychat: {e}", flush=True)
     except RaychatError as e:
         run = Storage(cfg.storage_path).child(cfg.name)
-        if Fence(run, config.get("lease_epoch", 0)).newer() is None:  # only the run's writer leaves a note
+        if Fence(run, run_config.lease_epoch).newer() is None:  # only the run's writer leaves a note
             write_stop_note(cfg.storage_path, cfg.name,
-                            {"reason": "error", "session": config["session"], "message": str(e)})
+                            StopNote(reason="error", session=run_config.session, message=str(e)))
         raise
 
 
-def _train(config: dict) -> None:
+def _train(config: WorkerRunConfig) -> None:
     w, state, signals = setup(config)
     cfg, num_iterations = w.cfg, w.plan.num_iterations
     first_step = state.step

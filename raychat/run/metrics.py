@@ -2,7 +2,10 @@
 Train/Tune reports and the run's metrics log (raychat.run.metrics_log).
 
 Each step is one `StepMetrics` record, built once by the loop; `Publisher` is the one place records
-go out from to every sink, so adding a metric means adding a field, not editing five call sites.
+go out from: it wraps each in a typed record (`StepDone`, `Evaluated`, ...) and fans it out to a list
+of sinks (`LogLines`, `RayMetrics`, `WandbLogger`, `raychat.run.metrics_log.MetricsLog`,
+`TrainReport`), each of which takes what it shows from the record. Adding a metric means adding a
+field; adding a sink means one class and one entry in the list (raychat.run.worker_setup).
 
 The step line is nanochat's, character for character, so its users' scripts and habits keep
 working (`grep "Validation bpb:"`, `tok/sec: 129,360`). The loop arithmetic behind its fields
@@ -20,14 +23,14 @@ dashboard's Grafana panels and any Prometheus read.
 
 import os
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from raychat.common import RaychatError
 from raychat.run.ledger import Ledger, ledger
-from raychat.run.metrics_log import MetricsLog
 
 EMA_BETA = 0.9  # nanochat's smoothing of the logged training loss
 UNTIMED_STEPS = 10  # nanochat leaves the first 10 steps (compilation, warm-up) out of total time
@@ -58,7 +61,7 @@ def eta_seconds(step: int, num_iterations: int, total_time_s: float) -> float | 
 @dataclass
 class StepMetrics:
     """One optimizer step as everyone watching sees it. Built once by the loop (raychat.run.loop.log_step)
-    and handed to `Publisher.step`, which writes it to every sink, so a new field is added here once.
+    and handed to `Publisher.step`, which hands it to every sink, so a new field is added here once.
     Running totals end in `_so_far`; the Plan's `total_tokens`/`total_flops` are the planned totals."""
 
     step: int
@@ -109,6 +112,88 @@ def format_val_line(step: int, bpb: float) -> str:
 
 
 # -----------------------------------------------------------------------------
+# The records sinks take, and the log line
+
+
+@dataclass(frozen=True)
+class AttemptStarted:
+    """An attempt started (rank 0, after setup): the time and what the metrics log records of it."""
+    time: float
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """One optimizer step, with the run's totals as of it."""
+    metrics: StepMetrics
+    goodput: float | None  # the run's so far (rank 0 after its start record; None before)
+    so_far: dict[str, float]  # this attempt's seconds outside steps by cause: eval_s_so_far, ...
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    step: int
+    val_bpb: float
+    total_training_time: float
+
+
+@dataclass(frozen=True)
+class CoreEvaluated:
+    """A CORE evaluation (raychat.run.core_metric): nanochat's line and the centered result per task."""
+    step: int
+    line: str
+    core_metric: float
+    centered: dict[str, float]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Sampled:
+    step: int
+    texts: list[str]
+
+
+@dataclass(frozen=True)
+class Reported:
+    """Ray Train's report (Tune's result): its metrics, and this attempt's seconds outside steps."""
+    metrics: dict[str, Any]
+    so_far: dict[str, float] = field(default_factory=dict)
+
+
+Record = AttemptStarted | StepDone | Evaluated | CoreEvaluated | Sampled | Reported
+
+
+class Sink(ABC):
+    """Somewhere the run's records go (`Publisher` hands each record to every sink in its list)."""
+
+    @abstractmethod
+    def publish(self, record: Record) -> None:
+        """Show or store what this sink keeps of `record`; records it has no use for are passed over."""
+
+    def flush(self) -> None:  # noqa: B027 (only a sink that holds records back has work here)
+        """Write what this sink holds back (before a checkpoint, at the end of a run)."""
+
+
+class LogLines(Sink):
+    """nanochat's lines on the worker's log: the step line, the validation and CORE lines, samples."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self._log = log
+
+    def publish(self, record: Record) -> None:
+        match record:
+            case StepDone(metrics=m):
+                self._log(m.line())
+            case Evaluated(step=step, val_bpb=bpb):
+                self._log(format_val_line(step, bpb))
+            case CoreEvaluated(line=line):
+                self._log(line)
+            case Sampled(texts=texts):
+                for text in texts:
+                    self._log(text)
+
+
+# -----------------------------------------------------------------------------
 # Ray dashboard / Prometheus
 
 GAUGES = {
@@ -124,7 +209,7 @@ GAUGES = {
 }
 
 
-class RayMetrics:
+class RayMetrics(Sink):
     """The run's gauges, `raychat_<name>` tagged with run=<run name>. Create inside a Ray worker
     (the Train worker of rank 0), where Ray's metrics agent picks them up."""
 
@@ -143,6 +228,15 @@ class RayMetrics:
             if value is not None:
                 self._gauges[name].set(float(value), tags=self._tags)
 
+    def publish(self, record: Record) -> None:
+        match record:
+            case StepDone(metrics=m, goodput=goodput):
+                self.update(**m.gauges(), goodput=goodput)
+            case Evaluated(val_bpb=bpb):
+                self.update(val_bpb=bpb)
+            case CoreEvaluated(core_metric=core):
+                self.update(core_metric=core)
+
 
 # -----------------------------------------------------------------------------
 # wandb
@@ -153,7 +247,10 @@ def _redact(text: str) -> str:
     return text.replace(key, "***") if key else text
 
 
-class WandbLogger:
+WANDB_EVERY = 100  # nanochat logs the training curve to wandb every 100 steps
+
+
+class WandbLogger(Sink):
     """wandb logging as nanochat does it: off for run "dummy", else project "raychat".
 
     WANDB_MODE (offline, disabled, ...) is honoured as wandb honours it; with RAYCHAT_OFFLINE set
@@ -184,6 +281,15 @@ class WandbLogger:
         if self._run is not None:
             self._run.log(data, step=step)
 
+    def publish(self, record: Record) -> None:
+        match record:
+            case StepDone(metrics=m) if m.step % WANDB_EVERY == 0:
+                self.log(m.wandb(), m.step)
+            case Evaluated(step=step, val_bpb=bpb, total_training_time=total):
+                self.log({"val/bpb": bpb, "total_training_time": total}, step)
+            case CoreEvaluated(step=step, core_metric=core, centered=centered):
+                self.log({"core_metric": core, "centered_results": centered}, step)
+
     def finish(self) -> None:
         if self._run is not None:
             self._run.finish()
@@ -191,20 +297,26 @@ class WandbLogger:
 
 
 # -----------------------------------------------------------------------------
-# The one place records go out from
+# Ray Train's report, and the one place records go out from
 
 
-WANDB_EVERY = 100  # nanochat logs the training curve to wandb every 100 steps
+class TrainReport(Sink):
+    """`ray.train.report` (Tune's result). Every rank's publisher has one: the report is a barrier."""
+
+    def publish(self, record: Record) -> None:
+        if isinstance(record, Reported):
+            import ray.train
+
+            ray.train.report(record.metrics)
 
 
 class Publisher:
-    """Writes each of the run's records to every sink: the log line, the Ray gauges, wandb, Tune's
-    report and the run's metrics log (raychat.run.metrics_log). Every rank has one, because Ray
-    Train's report is a barrier; only rank 0's has the other sinks."""
+    """Hands each of the run's records to every sink in `sinks`, in order. Every rank has one, because
+    Ray Train's report is a barrier (its sinks: the log line and `TrainReport`); rank 0's also has the
+    gauges, wandb and the run's metrics log (raychat.run.worker_setup)."""
 
-    def __init__(self, log: Callable[[str], None], gauges: RayMetrics | None = None,
-                 wandb: WandbLogger | None = None, metrics_log: MetricsLog | None = None):
-        self._log, self._gauges, self._wandb, self._metrics_log = log, gauges, wandb, metrics_log
+    def __init__(self, sinks: list[Sink]):
+        self._sinks = list(sinks)
         self.last: StepMetrics | None = None  # the latest step, for the next report
         # This attempt's time outside steps, by cause (raychat.run.ledger), written with every step.
         self.seconds_so_far = {"eval": 0.0, "checkpoint": 0.0}
@@ -212,18 +324,18 @@ class Publisher:
         self._started = 0.0  # this attempt's start record's time
         self._advanced_s = 0.0  # this attempt's step time that advanced training, data waits apart
 
-    def _record(self, kind: str, **fields: Any) -> None:
-        if self._metrics_log is not None:
-            self._metrics_log.write(kind, **fields)
+    def _publish(self, record: Record) -> None:
+        for sink in self._sinks:
+            sink.publish(record)
 
-    def start(self, **fields: Any) -> None:
+    def start(self, earlier: list[dict[str, Any]], **fields: Any) -> None:
         """An attempt started (rank 0, after setup): its step, world size, plan, restart counts and the
-        times the ledger splits a restart by. The ledger of the run before it is computed once, here."""
-        if self._metrics_log is None:
-            return
-        record = self._metrics_log.write("start", **fields)
-        earlier, self._metrics_log.earlier = self._metrics_log.earlier, []  # read once, not kept
-        self._before, self._started = ledger([*earlier, record]), record["time"]
+        times the ledger splits a restart by. The ledger of the run before it (`earlier`: the records
+        earlier attempts wrote to the metrics log) is computed once, here."""
+        started = AttemptStarted(time.time(), fields)
+        self._before = ledger([*earlier, {"kind": "start", "time": started.time, **fields}])
+        self._started = started.time
+        self._publish(started)
 
     @contextmanager
     def clock(self, cause: str) -> Iterator[dict[str, float]]:
@@ -249,50 +361,30 @@ class Publisher:
     def step(self, m: StepMetrics) -> None:
         self.last = m
         self._advanced_s += m.dt - m.data_wait_s
-        self._log(m.line())
-        if self._gauges is not None:
-            self._gauges.update(**m.gauges(), goodput=self.goodput())
-        if self._wandb is not None and m.step % WANDB_EVERY == 0:
-            self._wandb.log(m.wandb(), m.step)
-        self._record("step", **asdict(m), **self._so_far())
+        self._publish(StepDone(m, self.goodput(), self._so_far()))
 
     def eval(self, step: int, val_bpb: float, total_training_time: float) -> None:
-        self._log(format_val_line(step, val_bpb))
-        if self._gauges is not None:
-            self._gauges.update(val_bpb=val_bpb)
-        if self._wandb is not None:
-            self._wandb.log({"val/bpb": val_bpb, "total_training_time": total_training_time}, step)
-        self._record("eval", step=step, val_bpb=val_bpb, total_training_time=total_training_time)
+        self._publish(Evaluated(step, val_bpb, total_training_time))
 
     def core(self, step: int, line: str, core_metric: float, centered: dict[str, float],
              seconds: float) -> None:
         """A CORE evaluation (raychat.run.core_metric): nanochat's line, the gauge, wandb with the
         centered result per task, and the metrics log (raychat.report plots it)."""
-        self._log(line)
-        if self._gauges is not None:
-            self._gauges.update(core_metric=core_metric)
-        if self._wandb is not None:
-            self._wandb.log({"core_metric": core_metric, "centered_results": centered}, step)
-        self._record("core", step=step, core_metric=core_metric, centered=centered, seconds=seconds)
+        self._publish(CoreEvaluated(step, line, core_metric, centered, seconds))
 
     def samples(self, step: int, texts: list[str]) -> None:
-        for text in texts:
-            self._log(text)
-        self._record("samples", step=step, samples=texts)
+        self._publish(Sampled(step, texts))
 
     def report(self, metrics: dict[str, Any]) -> None:
         """Ray Train's report (Tune's result) with the latest step's numbers; all ranks, same steps."""
-        import ray.train
-
         if self.last is not None:
             metrics = {**self.last.tune(), **metrics}
         goodput = self.goodput()
         if goodput is not None:
             metrics["goodput"] = goodput
-        self._record("report", **metrics, **self._so_far())  # written at once, as every record but steps
-        ray.train.report(metrics)
+        self._publish(Reported(metrics, self._so_far()))
 
     def flush(self) -> None:
-        """Write what the metrics log holds back (a bucket's copy is rewritten every 30 s otherwise)."""
-        if self._metrics_log is not None:
-            self._metrics_log.flush()
+        """Write what the sinks hold back (a bucket's metrics log is rewritten every 30 s otherwise)."""
+        for sink in self._sinks:
+            sink.flush()

@@ -9,8 +9,8 @@ reader keeps the final timeline: at each start at step s, what earlier attempts 
 from s on is dropped (evals and samples at s itself are kept unless redone).
 
 Local files are appended to (a line per record, readable at once); object stores cannot append,
-so there the whole file is rewritten (read once at the attempt's start), at most every
-REMOTE_FLUSH_S seconds for steps and at once for every other record. A failed write never stops
+so there the whole file is rewritten (`Storage.open_append`), at most every REMOTE_FLUSH_S seconds
+for steps and at once for every other record. A failed write never stops
 training: it is retried with the next flush.
 """
 
@@ -18,7 +18,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -26,6 +26,16 @@ import pyarrow as pa
 from raychat.checkpoint.fence import Fence
 from raychat.faults import StorageUnavailable
 from raychat.run.ledger import Ledger, ledger
+from raychat.run.metrics import (
+    AttemptStarted,
+    CoreEvaluated,
+    Evaluated,
+    Record,
+    Reported,
+    Sampled,
+    Sink,
+    StepDone,
+)
 from raychat.storage import Storage
 
 METRICS_FILE = "metrics.jsonl"
@@ -43,8 +53,9 @@ def _clean(value: Any) -> Any:
     return value
 
 
-class MetricsLog:
-    """Appends records to one run's metrics.jsonl (create on rank 0 only)."""
+class MetricsLog(Sink):
+    """Appends records to one run's metrics.jsonl (create on rank 0 only): every record the publisher
+    hands it, with all its fields."""
 
     def __init__(self, run: Storage, fence: Fence | None = None):
         self._run = run
@@ -52,17 +63,33 @@ class MetricsLog:
         self._pending: list[str] = []
         self._last_flush = time.monotonic()
         self._warned = False
-        existing = run.read_bytes(METRICS_FILE) if run.exists(METRICS_FILE) else b""
+        existing, self._file = run.open_append(METRICS_FILE)
         # A killed attempt may have left half a line: start ours on a line of its own.
         self._needs_newline = bool(existing) and not existing.endswith(b"\n")
-        self._content = existing if not run.is_local else b""  # object stores: the file as written
         self.earlier = parse_records(existing.decode(errors="replace"))  # what earlier attempts wrote
+
+    def publish(self, record: Record) -> None:
+        match record:
+            case AttemptStarted(time=started, fields=fields):
+                self.write("start", **fields, time=started)
+                self.earlier = []  # read once, for the publisher's ledger; not kept for the whole run
+            case StepDone(metrics=m, so_far=so_far):
+                self.write("step", **asdict(m), **so_far)
+            case Evaluated(step=step, val_bpb=bpb, total_training_time=total):
+                self.write("eval", step=step, val_bpb=bpb, total_training_time=total)
+            case CoreEvaluated(step=step, core_metric=core, centered=centered, seconds=seconds):
+                self.write("core", step=step, core_metric=core, centered=centered, seconds=seconds)
+            case Sampled(step=step, texts=texts):
+                self.write("samples", step=step, samples=texts)
+            case Reported(metrics=metrics, so_far=so_far):
+                self.write("report", **metrics, **so_far)  # written at once, as every record but steps
 
     def write(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Log one record; returns it as written (with its time)."""
-        record = _clean({"kind": kind, "time": time.time(), **fields})
+        record = _clean({"kind": kind, "time": time.time(), **fields})  # a time in `fields` wins
         self._pending.append(json.dumps(record))
-        if self._run.is_local or kind != "step" or time.monotonic() - self._last_flush >= REMOTE_FLUSH_S:
+        due = time.monotonic() - self._last_flush >= REMOTE_FLUSH_S
+        if self._run.appends_in_place or kind != "step" or due:
             self.flush()
         return record
 
@@ -74,13 +101,7 @@ class MetricsLog:
             if self._fence.newer() is not None:  # another driver holds the run: its log, not ours
                 self._pending = []
                 return
-            if self._run.is_local:
-                self._run.make_dir()
-                with self._run.fs.open_append_stream(self._run.path(METRICS_FILE)) as f:
-                    f.write(data.encode())
-            else:
-                self._run.write_bytes(METRICS_FILE, self._content + data.encode())
-                self._content += data.encode()
+            self._file.append(data.encode())
         except (OSError, pa.ArrowException, StorageUnavailable) as e:
             if not self._warned:  # the checkpoints matter more than this log: say so once, train on
                 print(f"raychat: cannot write {self._run.child(METRICS_FILE)} ({e}); will retry",

@@ -1,6 +1,6 @@
 """Logs that are the run's: raychat's lines and real warnings and errors, without Ray's chatter.
 
-Silenced at the source, in each process that logs it: the driver (raychat.train.connect_ray) and
+Silenced at the source, in each process that logs it: the driver (raychat.run.driver.connect_ray) and
 every Ray worker process of the run as it starts (the Train controller, the Train workers, Ray Data's
 tasks: the runtime env's worker_process_setup_hook, raychat.run.runtime_env):
   - Ray Train's "Reporting training result N: TrainingReport(...)" at every report (INFO, from
@@ -31,7 +31,13 @@ import logging
 import os
 import warnings
 
-from raychat.run.ray_internals import CHATTY_LOGGERS, PROGRESS_NOTICE, TOKEN_AUTH_LOGGER, TRAIN_REPORT_LOGGER
+from raychat.run.ray_internals import (
+    CHATTY_LOGGERS,
+    PROGRESS_NOTICE,
+    TOKEN_AUTH_LOGGER,
+    TRAIN_REPORT_LOGGER,
+    ray_data_console_handlers,
+)
 
 VERBOSE_ENV = "RAYCHAT_VERBOSE"
 STRICT_ENV = "RAYCHAT_STRICT_WARNINGS"
@@ -72,7 +78,7 @@ def quiet_ray(main_is_raychat: bool = False) -> None:
     """Silence Ray's chatter in this process (after Ray Data is imported: its import configures its
     loggers); RAYCHAT_VERBOSE=1 leaves everything as Ray has it. `main_is_raychat`: this process
     runs a raychat command as __main__ (the driver), whose calls count as raychat's own."""
-    import ray.data  # noqa: F401  (configures the "ray.data" logger; ours must come after)
+    import ray.data  # noqa: F401  (configures Ray Data's loggers; ours must come after)
 
     if os.environ.get(STRICT_ENV, "") not in ("", "0"):
         ours = r"raychat\.|__main__$" if main_is_raychat else r"raychat\."
@@ -89,6 +95,5 @@ def quiet_ray(main_is_raychat: bool = False) -> None:
     progress = logging.getLogger(name)
     if not any(isinstance(f, DropNotice) for f in progress.filters):
         progress.addFilter(DropNotice(prefix))
-    for handler in logging.getLogger("ray.data").handlers:
-        if isinstance(handler, logging.StreamHandler):
-            handler.setLevel(logging.WARNING)  # the console; the session's ray-data.log keeps INFO
+    for handler in ray_data_console_handlers():
+        handler.setLevel(logging.WARNING)  # the console; the session's ray-data.log keeps INFO

@@ -4,9 +4,11 @@ Private names move between Ray releases without notice. When one does, tests/tes
 fails with the installed Ray version in its message, and this module is the one to fix. Used by
 raychat.run.console (the driver's log printer), raychat.run.elastic (controller callbacks, the
 cluster view and its reservations, the preemption flag), raychat.run.driver (the job's recorded
-command line), raychat.run.quiet (the loggers of Ray's chatter) and nothing else.
+command line), raychat.run.quiet (the loggers of Ray's chatter and Ray Data's console handler) and
+nothing else.
 """
 
+import logging
 import re
 from collections.abc import Callable
 from subprocess import list2cmdline
@@ -88,6 +90,19 @@ TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 # Ray Train's logger of "Reporting training result N: TrainingReport(...)" at every report (INFO):
 # `logging.getLogger(__file__)` in ray/train/v2/_internal/execution/context.py.
 TRAIN_REPORT_LOGGER = train_context.__file__
+
+
+# Ray Data's logging (ray/data/_internal/logging.py, DEFAULT_CONFIG, applied when ray.data is
+# imported): logger "ray.data" with a console handler (ray._private.log.PlainRayHandler, a
+# StreamHandler) beside a file handler (SessionFileHandler, ray-data.log in the session's log
+# directory, not a StreamHandler). Nothing public sets the console's level alone; raychat.run.quiet
+# raises it to WARNING so the per-dataset lines stay in the file.
+RAY_DATA_LOGGER = "ray.data"
+
+
+def ray_data_console_handlers() -> list[logging.Handler]:
+    """The console handlers of Ray Data's logger (configured by `import ray.data`)."""
+    return [h for h in logging.getLogger(RAY_DATA_LOGGER).handlers if isinstance(h, logging.StreamHandler)]
 
 
 # Ray Data's notice that its progress bars are off (a WARNING, once per process, logger

@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from raychat.config import TrainConfig
-from raychat.scaling import Plan, lr_multiplier, micro_batch_sizes, muon_momentum, muon_weight_decay
+from raychat.optim.base import ShardedOptimizer
+from raychat.optim.registry import optimizer_spec
+from raychat.scaling import Plan, lr_multiplier, micro_batch_sizes
 
 
 class RowSource(Protocol):
@@ -35,7 +37,7 @@ class StepComponents(Protocol):
     plan: Plan
     device: torch.device
     model: torch.nn.Module  # compiled or not
-    optimizer: torch.optim.Optimizer
+    optimizer: ShardedOptimizer  # built by the spec of cfg.optimizer
     loader: RowSource
     micro_slices: list[slice]  # this rank's rows of the step, cut into forward passes
 
@@ -58,17 +60,14 @@ def micro_slices(rows: int, device_batch_size: int) -> list[slice]:
     return slices
 
 
-def set_schedules(optimizer: torch.optim.Optimizer, cfg: TrainConfig, plan: Plan, step: int) -> float:
-    """Learning rates, Muon momentum and Muon weight decay for `step`; returns the lr multiplier."""
-    n = plan.num_iterations
-    lrm = lr_multiplier(step, n, cfg.warmup_steps, cfg.warmdown_ratio, cfg.final_lr_frac)
-    momentum = muon_momentum(step, n, cfg.warmdown_ratio)
-    weight_decay = muon_weight_decay(step, n, plan.weight_decay)
+def set_schedules(optimizer: ShardedOptimizer, cfg: TrainConfig, plan: Plan, step: int) -> float:
+    """Learning rates for `step` (every group's initial lr times the schedule's multiplier), then what
+    the optimizer itself schedules (muon_adamw: Muon's momentum and weight decay); returns the lr
+    multiplier."""
+    lrm = lr_multiplier(step, plan.num_iterations, cfg.warmup_steps, cfg.warmdown_ratio, cfg.final_lr_frac)
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] * lrm
-        if group["kind"] == "muon":
-            group["momentum"] = momentum
-            group["weight_decay"] = weight_decay
+    optimizer_spec(cfg.optimizer).schedule(optimizer, cfg, plan, step)
     return lrm
 
 

@@ -12,6 +12,7 @@ and the checkpoint saver, and tells the run's coordinator that an attempt starte
 which logs why, if this is a restart. The train loop itself is in raychat.run.loop.
 """
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -23,23 +24,25 @@ import torch
 import torch.distributed as dist
 
 from raychat.checkpoint.fence import Fence, LeaseLost
-from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.meta import CheckpointMeta, LoopState
 from raychat.checkpoint.resume import Restore, candidates
 from raychat.checkpoint.saver import CheckpointSaver
 from raychat.common import RaychatError
 from raychat.config import TrainConfig
-from raychat.corpus.index import CorpusIndex, confirm_identity, corpus_record
+from raychat.corpus.index import CorpusIndex, CorpusRecord, confirm_identity, corpus_record
 from raychat.data.loader import TrainLoader
 from raychat.memory import fit_plan_to_device
 from raychat.model.compile_check import probe_compile, uses_compile
 from raychat.model.flops import peak_flops
 from raychat.model.gpt import build_model
 from raychat.model.precision import configure_matmuls, resolve_precision
-from raychat.optim.muon_adamw import build_optimizer
+from raychat.optim.base import ShardedOptimizer
+from raychat.optim.registry import optimizer_spec
+from raychat.records import Record
 from raychat.run.checkpointing import apply_share, read_share
 from raychat.run.console import log_line
 from raychat.run.elastic import ElasticSignals, coordinator_name, describe_attempt
-from raychat.run.metrics import Publisher, RayMetrics, WandbLogger
+from raychat.run.metrics import LogLines, Publisher, RayMetrics, TrainReport, WandbLogger
 from raychat.run.metrics_log import MetricsLog
 from raychat.run.step import micro_slices
 from raychat.scaling import Plan, rank_rows
@@ -48,18 +51,22 @@ from raychat.tokenizer.core import Tokenizer, check_vocab
 
 
 @dataclass
-class LoopState:
-    """Where the loop is and what a resume must restore besides the weights (nanochat's loop_state)."""
+class WorkerRunConfig(Record):
+    """What the driver hands every worker of a run through Ray Train's train_loop_config (as a dict:
+    Ray Train keeps it in its run state), read back as this record by `train_loop_per_worker`."""
 
-    step: int = 0  # the next optimizer step
-    min_val_bpb: float = float("inf")
-    smooth_train_loss: float = 0.0
-    total_training_time: float = 0.0
-    val_bpb: float | None = None
-    core_metric: float | None = None  # at the last CORE evaluation (raychat.run.core_metric)
-    restarts: int = 0  # worker-group restarts after failures
-    resizes: int = 0  # planned resizes (the group grew or shrank with nothing lost)
-    redone_steps: int = 0  # steps trained again after restarts (work lost since the last checkpoint)
+    train_config: TrainConfig  # resolved paths; locations pickle with their credentials (SafeLocation)
+    plan: Plan  # at the largest world size of the range; each group deals it to its own size
+    # Where the index is, not the index (megabytes for a real corpus): the workers get it from the
+    # object store and check its identity.
+    corpus_index: ray.ObjectRef
+    tokenizer_fingerprint: str  # every rank must load this one
+    session: str  # the driver's run: its coordinator's name, and which checkpoints a restart prefers
+    lease_epoch: int  # checked before every save and prune (raychat.checkpoint.fence)
+    launched: float  # the time ledger's start (raychat.run.ledger)
+    resume_from: str | None  # the checkpoint the driver chose
+    init_weights: ray.ObjectRef | None  # nanochat's state, through the object store: no file on the workers
+    compile_checked: bool  # torch.compile already probed on the workers' device type
 
 
 @dataclass
@@ -78,11 +85,11 @@ class Worker:
     loader: TrainLoader
     orig_model: torch.nn.Module
     model: torch.nn.Module  # orig_model, compiled or not
-    optimizer: torch.optim.Optimizer
+    optimizer: ShardedOptimizer
     saver: CheckpointSaver
     storage_path: str
     session: str
-    corpus_meta: dict  # what made the corpus (source; Hub repo and revision), kept with each checkpoint
+    corpus_meta: CorpusRecord  # what made the corpus (source; Hub repo, revision), kept with each checkpoint
     micro_slices: list[slice]
     peak_flops: float
     wandb: WandbLogger | None = None
@@ -153,9 +160,9 @@ def _the_drivers_tokenizer(directory: str, fingerprint: str, where: str) -> Toke
     return tokenizer
 
 
-def _agree_on_restore(config: dict, run: Storage, tokenizer: Tokenizer, me: _Rank) -> Restore:
+def _agree_on_restore(config: WorkerRunConfig, run: Storage, tokenizer: Tokenizer, me: _Rank) -> Restore:
     """The checkpoint every rank resumes from (rank 0 decides), its vocabulary checked."""
-    mine = candidates(run, config["session"], config.get("resume_from")) if me.rank == 0 else None
+    mine = candidates(run, config.session, config.resume_from) if me.rank == 0 else None
     names = me.gather(mine)[0]
     restore = Restore(run, names, me.gather, me.log)
     if restore.meta is not None:
@@ -164,7 +171,7 @@ def _agree_on_restore(config: dict, run: Storage, tokenizer: Tokenizer, me: _Ran
     return restore
 
 
-def _loader_starter(config: dict, cfg: TrainConfig, index: CorpusIndex, me: _Rank,
+def _loader_starter(config: WorkerRunConfig, cfg: TrainConfig, index: CorpusIndex, me: _Rank,
                     trace_dir: str | None) -> Callable[[CheckpointMeta | None], TrainLoader]:
     """Starts this rank's loader on a checkpoint's cursor (None: the start of the corpus)."""
 
@@ -178,31 +185,24 @@ def _loader_starter(config: dict, cfg: TrainConfig, index: CorpusIndex, me: _Ran
 
 
 def _build_model_and_optimizer(cfg: TrainConfig, plan: Plan, device: torch.device, use_compile: bool
-                               ) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, str]:
-    """(model, model compiled or not, MuonAdamW over it, the precision's name)."""
+                               ) -> tuple[torch.nn.Module, torch.nn.Module, ShardedOptimizer, str]:
+    """(model, model compiled or not, the --optimizer over it, the precision's name)."""
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial weights without a broadcast
     precision = resolve_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, device)
     configure_matmuls(device)
     orig_model = build_model(plan.model, device, precision)
     model = torch.compile(orig_model, dynamic=False) if use_compile else orig_model
-    optimizer = build_optimizer(
-        orig_model,
-        embedding_lr=cfg.embedding_lr * plan.lr_scale,
-        unembedding_lr=cfg.unembedding_lr * plan.lr_scale,
-        matrix_lr=cfg.matrix_lr * plan.lr_scale,
-        scalar_lr=cfg.scalar_lr * plan.lr_scale,
-        weight_decay=plan.weight_decay,
-    )
+    optimizer = optimizer_spec(cfg.optimizer).build(orig_model, cfg, plan)
     return orig_model, model, optimizer, precision.name
 
 
-def _start_attempt(config: dict, state: LoopState, resumed_from: str | None, me: _Rank
+def _start_attempt(config: WorkerRunConfig, state: LoopState, resumed_from: str | None, me: _Rank
                    ) -> tuple[ElasticSignals, dict]:
     """Rank 0 tells the run's coordinator an attempt started, logs why if it is a restart and counts it.
     Also returns the times the time ledger splits a restart by (raychat.run.ledger)."""
     if me.rank != 0:
         return ElasticSignals(), {}
-    coordinator = ray.get_actor(coordinator_name(config["session"]))
+    coordinator = ray.get_actor(coordinator_name(config.session))
     previous = ray.get(coordinator.start_attempt.remote(state.step, me.world_size))
     start = describe_attempt(previous, state.step, me.world_size, resumed_from)
     if start.line:
@@ -210,9 +210,8 @@ def _start_attempt(config: dict, state: LoopState, resumed_from: str | None, me:
     state.restarts += start.kind == "failure"
     state.resizes += start.kind == "planned"
     state.redone_steps += start.redone_steps
-    return ElasticSignals(coordinator), {"noticed": previous.get("noticed"),
-                                         "last_progress": previous.get("last_progress"),
-                                         "last_progress_step": previous.get("last_step")}
+    return ElasticSignals(coordinator), {"noticed": previous.noticed, "last_progress": previous.last_progress,
+                                         "last_progress_step": previous.last_step}
 
 
 def _publisher(w: Worker, state: LoopState, run: Storage, precision: str, peak_source: str,
@@ -221,11 +220,13 @@ def _publisher(w: Worker, state: LoopState, run: Storage, precision: str, peak_s
     the plan, for raychat.report, and the times of its start, for the time ledger); the other ranks
     only report to Ray Train."""
     if not w.master:
-        return Publisher(w.log)
+        return Publisher([LogLines(w.log), TrainReport()])
     # The log's fence check gives up at once on a storage fault: the log retries at its next flush.
     metrics_log = MetricsLog(run, Fence(run, w.saver.fence.epoch, budget_s=0))
-    publisher = Publisher(w.log, RayMetrics(run_name=w.cfg.name), w.wandb, metrics_log)
-    publisher.start(step=state.step, world_size=w.world_size, restarts=state.restarts, resizes=state.resizes,
+    publisher = Publisher([LogLines(w.log), RayMetrics(run_name=w.cfg.name), w.wandb, metrics_log,
+                           TrainReport()])
+    publisher.start(metrics_log.earlier,
+                    step=state.step, world_size=w.world_size, restarts=state.restarts, resizes=state.resizes,
                     redone_steps=state.redone_steps, resumed_from=resumed_from, precision=precision,
                     device=str(w.device), plan=w.plan.to_json(), config=w.cfg.to_public_dict(),
                     peak_flops=w.peak_flops, peak_flops_source=peak_source, session=w.session, **times)
@@ -240,37 +241,37 @@ def _fit_to_device(plan: Plan, cfg: TrainConfig, me: _Rank, use_compile: bool) -
     compute_bytes = resolve_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, me.device).dtype.itemsize
     device_bytes = torch.cuda.get_device_properties(me.device).total_memory
     plan, lines = fit_plan_to_device(plan, device_bytes, torch.cuda.get_device_name(me.device), compute_bytes,
-                                     use_compile)
+                                     use_compile, cfg.optimizer)
     for line in lines:
         me.log(line)
     return plan
 
 
-def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
+def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     """This rank's components, the loop state to start from and its line to the run's coordinator.
 
     The resume position comes first: with the cursor known the loader starts now, so Ray Data's
     start-up and the tokenizing of the packer's first documents overlap building and restoring the
     model."""
     setup_started = time.time()  # the time ledger's end of rescheduling and start of restore
-    cfg = TrainConfig.from_dict(config["train_config"])
+    cfg = config.train_config
     me = _this_rank()
     use_compile = uses_compile(cfg.compile, me.device)
-    if use_compile and not config.get("compile_checked"):
+    if use_compile and not config.compile_checked:
         probe_compile(me.device)  # one line instead of a traceback at the first forward
     where = f"rank {me.rank} ({ray.util.get_node_ip_address()})"
-    tokenizer = _the_drivers_tokenizer(cfg.tokenizer_dir, config["tokenizer_fingerprint"], where)
-    plan = Plan.from_json(config["plan"]).at_world_size(me.world_size)  # the driver's, dealt to this group
+    tokenizer = _the_drivers_tokenizer(cfg.tokenizer_dir, config.tokenizer_fingerprint, where)
+    plan = config.plan.at_world_size(me.world_size)  # the driver's, dealt to this group
     plan = _fit_to_device(plan, cfg, me, use_compile)
     run = Storage(cfg.storage_path).child(cfg.name)
     # A group Ray restarted after its driver lost the run's lease ends here, before it reads or
     # writes anything; rank 0 looks and every rank follows (raychat.checkpoint.fence).
-    fence = Fence(run, config.get("lease_epoch", 0))
+    fence = Fence(run, config.lease_epoch)
     newer = me.gather(fence.newer() if me.rank == 0 else None)[0]
     if newer is not None:
         raise LeaseLost(f"run {run} is held by a newer driver (lease epoch {newer}, this group's "
                         f"{fence.epoch}): this worker group stops without training")
-    index: CorpusIndex = ray.get(config["corpus_index"])   # the driver's, from the footers: no listing here
+    index: CorpusIndex = ray.get(config.corpus_index)   # the driver's, from the footers: no listing here
     confirm_identity(index, where)
     trace_dir = os.environ.get("RAYCHAT_TRACE_DIR")
     restore = _agree_on_restore(config, run, tokenizer, me)
@@ -288,12 +289,12 @@ def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
             loader = start_loader(restore.meta)
         apply_share(share, orig_model, optimizer, me.world_size, me.device)
         del share
-        state = LoopState(**{**restore.meta.loop_state, "step": restore.meta.step})
+        state = dataclasses.replace(restore.meta.loop_state, step=restore.meta.step)
         saved_by = restore.meta.world_size
         origin = (f"Resumed from {restore.checkpoint} at step {state.step} (saved by {saved_by} workers, "
                   f"now {me.world_size})")
-    elif config.get("init_weights") is not None:  # a new run from nanochat's weights (every attempt
-        orig_model.load_state_dict(ray.get(config["init_weights"]), strict=True)  # until its first save)
+    elif config.init_weights is not None:  # a new run from nanochat's weights (every attempt
+        orig_model.load_state_dict(ray.get(config.init_weights), strict=True)  # until its first save)
         origin = "Starting from nanochat's weights at step 0"
     else:
         origin = "Starting at step 0 (no checkpoint)"
@@ -308,7 +309,7 @@ def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
     worker = Worker(
         cfg=cfg, plan=plan, rank=me.rank, world_size=me.world_size, device=me.device, tokenizer=tokenizer,
         index=index, tokenizer_dir=cfg.tokenizer_dir, loader=loader, orig_model=orig_model,
-        model=model, optimizer=optimizer, storage_path=cfg.storage_path, session=config["session"],
+        model=model, optimizer=optimizer, storage_path=cfg.storage_path, session=config.session,
         corpus_meta=corpus_record(index),
         saver=CheckpointSaver(run, cfg.keep_checkpoints, me.rank, me.world_size, me.log, parent=restore.meta,
                               parent_name=resumed_from, fence=fence),
@@ -316,7 +317,7 @@ def setup(config: dict) -> tuple[Worker, LoopState, ElasticSignals]:
         wandb=WandbLogger(cfg.run, config=cfg.to_public_dict()) if master else None,
         attempt=me.gather(f"{time.time():.3f}")[0] if trace_dir else "",
     )
-    times.update(launched=config.get("launched"), setup_started=setup_started)
+    times.update(launched=config.launched, setup_started=setup_started)
     worker.publisher = _publisher(worker, state, run, precision, peak_source, resumed_from, times)
     # The attempt's one line (Ray's own narration of it is silenced: raychat.run.quiet).
     nodes = len(set(me.gather(ray.get_runtime_context().get_node_id())))

@@ -9,8 +9,8 @@ from raychat.common import RaychatError, default_data_dir, default_tokenizer_dir
 from raychat.corpus.index import iter_split_texts
 from raychat.storage import is_uri, normalize_location, redact
 from raychat.tokenizer.core import Tokenizer
-from raychat.tokenizer.evaluate import evaluate_tokenizer
 from raychat.tokenizer.nanochat import import_nanochat_tokenizer
+from raychat.tokenizer.stats import tokenizer_stats
 from raychat.tokenizer.train import MIN_VOCAB_SIZE, train_tokenizer
 
 DESCRIPTION = """\
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         raise RaychatError(f"--threads must be 0 (every core) or more, got {args.threads}")
     tokenizer = Tokenizer.load(tokenizer_dir)
     texts = list(iter_split_texts(data_dir, "val", max_chars=args.max_chars))
-    stats = evaluate_tokenizer(tokenizer, texts, args.threads)
+    stats = tokenizer_stats(tokenizer, texts, args.threads)
     print(f"tokenizer {tokenizer.directory} (vocab {tokenizer.vocab_size:,}, fingerprint "
           f"{tokenizer.fingerprint}) on the validation split of {data_dir}:")
     print(stats.format())

@@ -1,5 +1,6 @@
 """How good a tokenizer is on a text: compression (bytes per token), vocabulary usage and encode
-throughput, the numbers `python -m raychat.tokenizer eval` prints.
+throughput, the numbers `python -m raychat.tokenizer eval` prints. (Evaluating a model is
+raychat.evaluation's; these are measurements of the tokenizer alone.)
 """
 
 import time
@@ -44,7 +45,7 @@ class TokenizerStats:
         ])
 
 
-def evaluate_tokenizer(tokenizer: Tokenizer, texts: list[str], threads: int = 0) -> TokenizerStats:
+def tokenizer_stats(tokenizer: Tokenizer, texts: list[str], threads: int = 0) -> TokenizerStats:
     """Compression (bytes per token), vocabulary usage and encode throughput on `texts`."""
     threads = threads or available_cores()
     t0 = time.perf_counter()

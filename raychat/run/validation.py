@@ -1,4 +1,5 @@
-"""Validation bits-per-byte and the trainer's sample prompts.
+"""Validation during a run: bits per byte on the run's validation rows (raychat.data.validation), and
+the prompts the trainer (and `python -m raychat.sample`) completes as a readable check.
 
 Bits per byte, not loss, is what we compare across runs: it does not depend on the tokenizer's vocab
 size. It is the sum of nats over target tokens divided by ln(2) times the sum of their UTF-8 bytes;
