@@ -199,7 +199,8 @@ def report(summary: dict, markdown: bool = False) -> str:
     command = (f"python -m bench.goodput --fault {summary['fault']} --every-min {summary['every_min']:g} "
                f"--steps {summary['steps']}")
     return (f"**{when}, `{command}`**, {summary['seconds']:.0f} s on {summary['machine']}.\n\n"
-            + "\n".join(f"- {line.strip()}" for line in lines) + "\n")
+            + "\n".join(f"  {line}" if line.startswith("- ") else f"- {line.strip()}"  # a ledger's own
+                        for line in lines) + "\n")  # bullets nest under their run
 
 
 if __name__ == "__main__":

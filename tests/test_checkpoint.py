@@ -358,7 +358,8 @@ def test_latest_and_pruning_follow_the_lineage_not_the_clock(tmp_path):
 def test_a_checkpoint_an_earlier_attempt_resumed_from_is_pruned_by_a_later_one(tmp_path):
     """An attempt resumed from 3 (kept by its saver) saves 6 and 9 with --keep-checkpoints 1, which
     prunes 6: the branch 9 -> 6 has a gap. The next attempt, resumed from 9, must still reach 3
-    and prune it (it once lay beyond the gap forever: seen in bench.goodput after node losses)."""
+    and prune it (it once lay beyond the gap forever: seen in bench.goodput after node losses),
+    while the branch itself stops at the gap: below it may lie an abandoned branch too."""
     run = Storage(str(tmp_path / "run"))
     quiet = lambda _: None  # noqa: E731
     _save_steps(CheckpointSaver(run, keep=0, rank=0, world_size=1, log=quiet), [3])
@@ -366,8 +367,27 @@ def test_a_checkpoint_an_earlier_attempt_resumed_from_is_pruned_by_a_later_one(t
                                 parent=read_meta(run.child("checkpoint_000003")),
                                 parent_name="checkpoint_000003"), [6, 9])
     assert [c.name for c in list_checkpoints(run)] == ["checkpoint_000003", "checkpoint_000009"]
-    assert [c.name for c in branch(run)] == ["checkpoint_000009", "checkpoint_000003"]
+    assert [c.name for c in branch(run)] == ["checkpoint_000009"]
     _save_steps(CheckpointSaver(run, keep=1, rank=0, world_size=1, log=quiet,
                                 parent=read_meta(run.child("checkpoint_000009")),
                                 parent_name="checkpoint_000009"), [12])
     assert [c.name for c in list_checkpoints(run)] == ["checkpoint_000009", "checkpoint_000012"]
+
+
+def test_a_malformed_parent_ends_the_branch_and_a_rewind_below_a_gap_is_never_chosen(tmp_path):
+    """Save 2, 4, 6, 8; rewind to 2 (no lease records it) and save 3, 5, 7 keeping 1, which prunes 3
+    and 5. With 7 damaged nothing of the abandoned 4..8 is chosen; a parent that names no checkpoint
+    ends the branch rather than the command."""
+    run = Storage(str(tmp_path / "run"))
+    quiet = lambda _: None  # noqa: E731
+    _save_steps(CheckpointSaver(run, keep=0, rank=0, world_size=1, log=quiet), [2, 4, 6, 8])
+    _save_steps(CheckpointSaver(run, keep=1, rank=0, world_size=1, log=quiet,
+                                parent=read_meta(run.child("checkpoint_000002")),
+                                parent_name="checkpoint_000002"), [3, 5, 7])
+    run.child("checkpoint_000007").delete(MANIFEST_FILE)
+    assert latest_valid_checkpoint(run, log=quiet) is None
+    for parent in ("checkpoint_latest", 5):
+        meta_path = tmp_path / "run" / "checkpoint_000007" / "meta.json"
+        meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "parent": parent}))
+        assert [c.name for c in branch(run, log=quiet)] == ["checkpoint_000007"]
+

@@ -157,6 +157,22 @@ def test_the_previous_versions_meta_json_still_loads():
     assert (old.step, old.world_size, old.sequence, old.parent) == (5, 2, 0, None)
 
 
+def test_a_first_release_meta_json_loads_with_what_it_lacks_unknown_and_a_bad_value_is_one_line():
+    """The first release's plan had no precision: the checkpoint stays readable (its plan unknown),
+    rather than being skipped and the run started over. A value of the wrong kind, or a stored flag
+    the config refuses, is the file's fault: one line naming it."""
+    first = v2_meta()
+    del first["plan"]["precision"], first["format_version"]
+    meta = CheckpointMeta.from_json(json.dumps(first), where="ckpt/meta.json")
+    assert meta.plan is None and meta.cursor == CURSOR and meta.corpus == CORPUS and meta.step == 8
+    for part, bad in (("user_config", {"depth": "x"}), ("user_config", {"warmdown_ratio": 1.5})):
+        edited = v2_meta()
+        edited[part] = {**edited[part], **bad}
+        with pytest.raises(RecordError) as err:
+            CheckpointMeta.from_json(json.dumps(edited), where="ckpt/meta.json")
+        assert str(err.value).startswith("ckpt/meta.json") and "\n" not in str(err.value)
+
+
 def test_every_record_is_a_record():
     """Every process boundary's type mixes in Record: no untyped dict is left in a checkpoint's meta."""
     assert all(isinstance(record, Record) for record, _ in EXAMPLES)

@@ -293,36 +293,43 @@ def list_checkpoints(run_dir: Location, log: Callable[[str], None] = _warn) -> l
 def branch(run_dir: Location, log: Callable[[str], None] = _warn) -> list[Storage]:
     """The current branch, newest first: the newest checkpoint, then its parent, its parent's
     parent... A rewound run's abandoned branch is not on it, whatever its step numbers (and once a
-    lease records the rewind, not even listed). Where a parent cannot be read or is gone, or none
-    was recorded (before raychat kept a lineage), the chain goes on with the next older checkpoint
-    listed."""
-    run = Storage.of(run_dir)
+    lease records the rewind, not even listed). Where a parent cannot be read, or none was recorded
+    (before raychat kept a lineage), the chain goes on with the next older checkpoint listed."""
+    return _walk(Storage.of(run_dir), log)[0]
+
+
+def _walk(run: Storage, log: Callable[[str], None]) -> tuple[list[Storage], list[Storage], int | None]:
+    """(the branch newest first, every readable checkpoint listed, the step of the pruned parent the
+    branch stops at or None)."""
     listed = _scan(run, log)
     if not listed:
-        return []
+        return [], [], None
+    present = set(_subdirs(run))
     by_name = {directory.name: i for i, (directory, _) in enumerate(listed)}
     chain: list[Storage] = []
+    gap = None
     position: int | None = len(listed) - 1
     while position is not None and listed[position][0] not in chain:
         directory, meta = listed[position]
         chain.append(directory)
-        if meta.parent in by_name:
-            position = by_name[meta.parent]
-        elif meta.parent is not None:
-            # A parent whose record cannot be read, or one pruned while an older ancestor was kept
-            # (a saver never prunes the checkpoint its attempt resumed from, so after a restart the
-            # chain can skip a gap): its ancestors lie at lower steps (the step is in the name), so
-            # the chain goes on with the newest listed checkpoint below it, and prune reaches what
-            # an earlier attempt protected. A newer one could be an abandoned branch that no lease
-            # marked (a run from before leases).
-            below = _step_of(meta.parent)
+        parent = meta.parent if isinstance(meta.parent, str) else None
+        below = _step_of(parent) if parent is not None else None
+        if parent in by_name:
+            position = by_name[parent]
+        elif parent in present and below is not None:
+            # A parent whose record cannot be read: its ancestors lie at lower steps (the step is in
+            # the name), so the chain goes on with the newest listed checkpoint below it; a newer
+            # one could be an abandoned branch that no lease marked (a run from before leases).
             older = [i for i in range(position) if _step_of(listed[i][0].name) < below]
             position = older[-1] if older else None
-        elif meta.sequence == 0:  # before raychat kept a lineage: list order
+        elif parent is None and meta.sequence == 0:  # before raychat kept a lineage: list order
             position = position - 1 if position > 0 else None
         else:
-            position = None  # the start of the lineage
-    return chain
+            # The start of the lineage, or its older part pruned. Not followed further: below a
+            # pruned parent may lie an abandoned branch as well as this one's older checkpoints.
+            gap = below if parent is not None else None
+            position = None
+    return chain, [directory for directory, _ in listed], gap
 
 
 def latest_valid_checkpoint(run_dir: Location, step: int | None = None, deep: bool = False,
@@ -349,14 +356,22 @@ def prune_checkpoints(run_dir: Location, keep: int, log: Callable[[str], None] =
                       protect: Collection[str] = ()) -> list[str]:
     """Keep the `keep` newest complete checkpoints of the current branch; delete its older ones and
     whatever a superseded writer or an abandoned branch left, never the ones named in `protect`
-    (the saver's: what it just wrote, what the run resumed from). A checkpoint whose record cannot
-    be read, or that lies on no known branch, is left alone. Returns the names deleted, oldest
+    (the saver's: what it just wrote, what the run resumed from), and whatever lies below the
+    pruned parent the branch stops at. A checkpoint whose record cannot be read, or that lies above
+    that on no known branch, is left alone. Returns the names deleted, oldest
     first. keep <= 0 keeps everything."""
     if keep <= 0:
         return []
-    chain = list(reversed(branch(run_dir, log)))  # oldest first
+    newest_first, listed, gap = _walk(Storage.of(run_dir), log)
+    chain = list(reversed(newest_first))  # oldest first
     complete = [c for c in chain if damage(c, deep=False) is None]
     doomed = chain[:chain.index(complete[-keep])] if len(complete) > keep else []
+    if gap is not None:
+        # Below a pruned parent: what an earlier attempt's saver kept (the checkpoint it resumed
+        # from is never its to prune) after pruning its children, so the branch no longer reaches
+        # it. Older than every checkpoint of the branch: deleted, never chosen.
+        steps = {c.name: _step_of(c.name) for c in listed}
+        doomed += [c for c in listed if c not in chain and steps[c.name] is not None and steps[c.name] < gap]
     doomed += superseded_checkpoints(run_dir)
     deleted = []
     for candidate in doomed:

@@ -22,7 +22,7 @@ from raychat.config import TrainConfig
 from raychat.corpus.index import CorpusRecord
 from raychat.data.cursor import Cursor
 from raychat.model.gpt import GPTConfig
-from raychat.records import Record
+from raychat.records import Record, RecordError
 from raychat.scaling import Plan
 
 META_VERSION = 3
@@ -80,9 +80,19 @@ class CheckpointMeta(Record):
 
     @classmethod
     def upgrade(cls, values: dict[str, Any], version: int) -> dict[str, Any]:
-        """Versions 1 and 2 wrote an unknown part as an empty dict: None now."""
-        return {key: value for key, value in values.items()
-                if not (value == {} and key in ("plan", "user_config", "corpus", "cursor", "metrics"))}
+        """Versions 1 and 2 wrote an unknown part as an empty dict: None now. A descriptive part
+        written before a field it now requires existed (the plan's precision, added after the first
+        release) reads as unknown too, rather than making the whole checkpoint unreadable: a run
+        that cannot read its checkpoints starts over."""
+        values = {key: value for key, value in values.items()
+                  if not (value == {} and key in ("plan", "user_config", "corpus", "cursor", "metrics"))}
+        for key, record in (("plan", Plan), ("corpus", CorpusRecord), ("metrics", Totals)):
+            if isinstance(values.get(key), dict):
+                try:
+                    record.from_dict(values[key])
+                except (RecordError, TypeError, ValueError):
+                    values[key] = None
+        return values
 
     def to_json(self) -> bytes:
         # allow_nan: nanochat's loop state starts with min_val_bpb = inf, which Python's json round-trips
@@ -96,4 +106,12 @@ class CheckpointMeta(Record):
             raw = json.loads(data)
         except ValueError as e:
             raise RaychatError(f"{where} is not JSON ({e}); the checkpoint is damaged") from None
-        return cls.from_dict(raw, where=where)
+        try:
+            return cls.from_dict(raw, where=where)
+        except RecordError:
+            raise
+        except (TypeError, ValueError, AttributeError, RaychatError) as e:  # a value of the wrong kind,
+            # or a stored flag the config's checks refuse (an edited file): the file's fault, not a flag's
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise RecordError(f"{where} holds a value that does not fit its record ({reason}); the "
+                              "checkpoint is damaged") from None

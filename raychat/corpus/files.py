@@ -29,8 +29,10 @@ CHECK_HINT = "check it with `python -m raychat.corpus check --deep DATA_DIR`"
 
 
 @functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=8)
 def corpus_storage(location: str) -> Storage:
-    """The corpus directory's Storage, one per location and process (a read task reuses its S3 client)."""
+    """The corpus directory's Storage, one per location and process: a read task reuses its S3 client,
+    and indexing thousands of shards does not resolve a bucket's region once per shard."""
     return Storage(location)
 
 
