@@ -1,6 +1,7 @@
 """What several test modules share, in one place (no test module imports another): launching
 `python -m raychat.train` and reading its log, comparing nested state bit for bit, the corpus CLI,
-a local stand-in for the Hugging Face Hub, the S3 server's request recorder, the pinned Ray.
+a local stand-in for the Hugging Face Hub, the S3 server's request recorder, the pinned Ray, a rank's
+train-step components built without Ray, and a gloo group of spawned processes.
 
 Fixtures live in conftest.py; the other helper modules here each serve one concern
 (run_output: what a driver may print; trace_audit: exactly-once accounting from a trace;
@@ -18,6 +19,8 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +28,7 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 import pyarrow.fs as pafs
 import torch
+import torch.distributed as dist
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,10 +37,14 @@ else:  # Python 3.10: the same parser, from PyPI
 
 from raychat.checkpoint.format import latest_valid_checkpoint
 from raychat.checkpoint.reader import load_checkpoint
+from raychat.config import TrainConfig
 from raychat.corpus.download import MAX_SHARD, REPO_ID
 from raychat.corpus.fixture import write_synthetic_corpus
 from raychat.corpus.index import list_shards, shard_filename
-from raychat.model.gpt import GPTConfig
+from raychat.model.gpt import GPT, GPTConfig, build_model
+from raychat.optim.registry import optimizer_spec
+from raychat.run.step import micro_slices
+from raychat.scaling import Plan, rank_rows, resolve_plan
 from raychat.storage import Storage
 
 if TYPE_CHECKING:  # conftest imports this module; the type only
@@ -367,3 +375,73 @@ def pyproject_ray_pin() -> str:
 MEMORY_PARAMS = {"wte": 400, "value_embeds": 200, "lm_head": 390, "transformer_matrices": 3000, "scalars": 10,
                  "total": 4000}
 MEMORY_CONFIG = GPTConfig(sequence_len=16, vocab_size=50, n_layer=2, n_head=2, n_kv_head=2, n_embd=8)
+
+
+# ------------------------------------------------------------------------------------------------
+# One rank's train step without Ray (tests/test_step.py, tests/test_optim_seam.py), and a gloo group
+# of spawned processes to run it, or a checkpoint, at two ranks (also tests/test_checkpoint_sharded.py)
+
+class StepRows:
+    """A loader over a seeded stream of rows: step s gets `stream(s)` (the step's rows of all ranks,
+    T + 1 tokens each), of which this rank takes `rows`."""
+
+    def __init__(self, stream: Callable[[int], torch.Tensor], rows: slice = slice(None), step: int = 0):
+        self.stream, self.rows, self.step = stream, rows, step
+
+    def next_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.stream(self.step)[self.rows]
+        assert tokens.shape[0] == n
+        self.step += 1
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+@dataclass
+class StepComponents:
+    """What raychat.run.step.train_step computes with (raychat.run.worker_setup.Worker has the same)."""
+
+    cfg: TrainConfig
+    plan: Plan
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loader: StepRows
+    micro_slices: list[slice]
+
+
+def step_components(cfg: TrainConfig, vocab: int, stream: Callable[[int], torch.Tensor], world: int = 1,
+                    rank: int = 0, step: int = 0,
+                    build: Callable[[GPT, TrainConfig, Plan], torch.optim.Optimizer] | None = None
+                    ) -> StepComponents:
+    """A rank's model, optimizer and rows as the worker builds them (raychat.run.worker_setup), on the
+    CPU: the model from the plan of `cfg` (seeded by cfg.seed), the optimizer by `build` (default: the
+    spec --optimizer names), this rank's share of the plan's rows per step of `stream` from `step` on,
+    cut into micro-batches of --device-batch-size."""
+    plan = resolve_plan(cfg, vocab, world)
+    torch.manual_seed(cfg.seed)
+    model = build_model(plan.model, "cpu")
+    optimizer = (build or optimizer_spec(cfg.optimizer).build)(model, cfg, plan)
+    mine = rank_rows(plan.rows_per_step, world, rank)
+    first = sum(rank_rows(plan.rows_per_step, world, r) for r in range(rank))
+    return StepComponents(cfg, plan, torch.device("cpu"), model, optimizer,
+                          StepRows(stream, slice(first, first + mine), step),
+                          micro_slices(mine, plan.device_batch_size))
+
+
+@contextmanager
+def gloo_group(rank: int, tmp: str | Path, world: int = 2) -> Iterator[Callable[[Any], list]]:
+    """This process as rank `rank` of a gloo group of `world` processes (mp.spawn's), one CPU thread
+    each, meeting at a file store in `tmp`; yields all_gather_object as a function of the object,
+    and ends the group on exit."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+
+    def gather(obj: Any) -> list:
+        out = [None] * world
+        dist.all_gather_object(out, obj)
+        return out
+
+    try:
+        yield gather
+    finally:
+        dist.destroy_process_group()

@@ -9,14 +9,13 @@ W=2 one at W=1) run in the test process. The reference state is the optimizer's 
 
 import json
 import shutil
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import assert_bitwise_equal
+from helpers import assert_bitwise_equal, gloo_group
 
 from raychat.checkpoint.format import damage, latest_valid_checkpoint, rank_file
 from raychat.checkpoint.meta import CheckpointMeta
@@ -72,17 +71,8 @@ def resume(run: Storage, names: list[str], world: int, rank: int, gather, log=la
 
 
 def _worker(rank: int, tmp: str) -> None:
-    torch.set_num_threads(1)
     tmp_dir = Path(tmp)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_dir / 'store'}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
-
-    def gather(obj):
-        out = [None, None]
-        dist.all_gather_object(out, obj)
-        return out
-
-    try:
+    with gloo_group(rank, tmp) as gather:
         out: dict = {}
         model, optimizer = fresh()
         train(model, optimizer, range(STEPS), weight=1.0 if rank == 0 else 0.0)
@@ -119,8 +109,6 @@ def _worker(rank: int, tmp: str) -> None:
         _, from_single, _ = resume(Storage(str(tmp_dir / "w1")), ["checkpoint_000002"], 2, rank, gather)
         out["from_single"] = from_single.state_dict()
         torch.save(out, tmp_dir / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ under the optimizer that saved it."""
 
 import argparse
 import math
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import MEMORY_CONFIG as CONFIG
 from helpers import MEMORY_PARAMS as PARAMS
+from helpers import StepComponents, gloo_group, step_components
 
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.resume import Restore
@@ -22,46 +21,23 @@ from raychat.checkpoint.saver import CheckpointSaver
 from raychat.common import RaychatError
 from raychat.config import OPTIMIZERS, TrainConfig, add_config_flags, config_from_args
 from raychat.memory import estimate_memory
-from raychat.model.gpt import build_model
 from raychat.optim.base import ShardedOptimizer
-from raychat.optim.registry import optimizer_spec
 from raychat.optim.sgd import SGD
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.run.driver import check_resume_fits
-from raychat.run.step import micro_slices, set_schedules, train_step
-from raychat.scaling import Plan, lr_multiplier, muon_momentum, muon_weight_decay, rank_rows, resolve_plan
+from raychat.run.step import set_schedules, train_step
+from raychat.scaling import lr_multiplier, muon_momentum, muon_weight_decay, resolve_plan
 from raychat.storage import Storage
 
 VOCAB, T, ROWS, STEPS, SAVE_AT = 128, 16, 8, 12, 6
 CPU = torch.device("cpu")
 
 
-class Rows:
-    """A learnable stream: each row counts up from a seeded start (mod VOCAB), so the next token is the
-    current one plus one. Step s gets rows s*ROWS .. of it; a rank gets its slice of those."""
-
-    def __init__(self, rows: slice = slice(None), step: int = 0):
-        self.rows, self.step = rows, step
-
-    def next_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, VOCAB, (ROWS, 1), generator=torch.Generator().manual_seed(1000 + self.step))
-        tokens = ((starts + torch.arange(T + 1)) % VOCAB)[self.rows]
-        assert tokens.shape[0] == n
-        self.step += 1
-        return tokens[:, :-1], tokens[:, 1:]
-
-
-@dataclass
-class Components:
-    """What raychat.run.step.train_step computes with (raychat.run.worker_setup.Worker has the same)."""
-
-    cfg: TrainConfig
-    plan: Plan
-    device: torch.device
-    model: torch.nn.Module
-    optimizer: ShardedOptimizer
-    loader: Rows
-    micro_slices: list[slice]
+def counting(step: int) -> torch.Tensor:
+    """A learnable stream (tests/helpers.py StepRows): each of step `step`'s rows counts up from a
+    seeded start (mod VOCAB), so the next token is the current one plus one."""
+    starts = torch.randint(0, VOCAB, (ROWS, 1), generator=torch.Generator().manual_seed(1000 + step))
+    return (starts + torch.arange(T + 1)) % VOCAB
 
 
 def flags(*extra: str) -> TrainConfig:
@@ -77,20 +53,13 @@ def flags(*extra: str) -> TrainConfig:
 SGD_FLAGS = ("--optimizer", "sgd", "--sgd-lr", "50", "--sgd-momentum", "0.9")
 
 
-def components(cfg: TrainConfig, world: int = 1, rank: int = 0, step: int = 0) -> Components:
+def components(cfg: TrainConfig, world: int = 1, rank: int = 0, step: int = 0) -> StepComponents:
     """A rank's model and optimizer as the worker builds them (raychat.run.worker_setup): the model
     from the plan, the optimizer from the spec --optimizer names."""
-    plan = resolve_plan(cfg, VOCAB, world)
-    torch.manual_seed(cfg.seed)
-    model = build_model(plan.model, "cpu")
-    optimizer = optimizer_spec(cfg.optimizer).build(model, cfg, plan)
-    mine = rank_rows(ROWS, world, rank)
-    first = sum(rank_rows(ROWS, world, r) for r in range(rank))
-    return Components(cfg, plan, CPU, model, optimizer, Rows(slice(first, first + mine), step),
-                      micro_slices(mine, plan.device_batch_size))
+    return step_components(cfg, VOCAB, counting, world, rank, step)
 
 
-def save(run: Storage, c: Components, step: int, world: int, rank: int, gather) -> None:
+def save(run: Storage, c: StepComponents, step: int, world: int, rank: int, gather) -> None:
     """What the train loop's save does (raychat.run.loop.save), blocking."""
     saver = CheckpointSaver(run, keep=0, rank=rank, world_size=world, log=lambda _: None)
     saver.prepare(step)
@@ -103,7 +72,7 @@ def save(run: Storage, c: Components, step: int, world: int, rank: int, gather) 
 
 
 def resume(run: Storage, cfg: TrainConfig, step: int, world: int = 1, rank: int = 0,
-           gather=lambda obj: [obj]) -> Components:
+           gather=lambda obj: [obj]) -> StepComponents:
     """What raychat.run.worker_setup.setup does with a checkpoint: read this rank's share, apply it."""
     c = components(cfg, world, rank, step)
     restore = Restore(run, [f"checkpoint_{step:06d}"], gather, lambda _: None)
@@ -201,16 +170,7 @@ def test_the_memory_estimate_counts_sgd_state_by_hand():
 
 
 def _rank(rank: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
-
-    def gather(obj):
-        out = [None, None]
-        dist.all_gather_object(out, obj)
-        return out
-
-    try:
+    with gloo_group(rank, tmp) as gather:
         cfg = flags(*SGD_FLAGS)
         c = components(cfg, 2, rank)
         losses = [train_step(c, step).loss for step in range(SAVE_AT)]
@@ -220,8 +180,6 @@ def _rank(rank: int, tmp: str) -> None:
         out = {"losses": losses, "momenta": momenta(c.optimizer), "resumed": momenta(resumed.optimizer),
                "params": {k: v.clone() for k, v in c.model.state_dict().items()}}
         torch.save(out, Path(tmp) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_ranks_of_sgd_take_the_one_rank_steps_and_resume_at_either_world_size(tmp_path):

@@ -5,68 +5,46 @@ caller's values ride on the loss's all-reduce (the one sync of a step)."""
 import math
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import StepComponents, step_components
 
 from raychat.config import TrainConfig
-from raychat.model.gpt import build_model
-from raychat.optim.muon_adamw import build_optimizer
-from raychat.run.step import micro_slices, train_step
-from raychat.scaling import Plan, rank_rows, resolve_plan
+from raychat.model.gpt import GPT
+from raychat.optim.muon_adamw import MuonAdamW, build_optimizer
+from raychat.run.step import train_step
+from raychat.scaling import Plan
 
 VOCAB, T, ROWS, STEPS = 128, 16, 6, 3
 
 
-class Rows:
-    """A loader over fixed rows: step s gets rows s*n .. (s+1)*n of a seeded stream, for one rank."""
-
-    def __init__(self, rows: slice = slice(None)):
-        self.step, self.rows = 0, rows
-
-    def next_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(1000 + self.step)
-        tokens = torch.randint(0, VOCAB, (ROWS, T + 1), generator=gen)[self.rows]
-        assert tokens.shape[0] == n
-        self.step += 1
-        return tokens[:, :-1], tokens[:, 1:]
+def seeded(step: int) -> torch.Tensor:
+    """Step `step`'s rows (all ranks'), random tokens from a seed (tests/helpers.py StepRows)."""
+    return torch.randint(0, VOCAB, (ROWS, T + 1), generator=torch.Generator().manual_seed(1000 + step))
 
 
-@dataclass
-class Components:
-    cfg: TrainConfig
-    plan: Plan
-    device: torch.device
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    loader: Rows
-    micro_slices: list[slice]
-
-
-def components(device_batch_size: int, world: int = 1, rank: int = 0) -> Components:
-    cfg = TrainConfig(depth=2, aspect_ratio=32, head_dim=32, max_seq_len=T, window_pattern="L",
-                      device_batch_size=device_batch_size, total_batch_size=ROWS * T, num_iterations=STEPS,
-                      warmup_steps=2)
-    plan = resolve_plan(cfg, VOCAB, world)
-    torch.manual_seed(cfg.seed)
-    model = build_model(plan.model, "cpu")
-    with torch.no_grad():  # off nanochat's init, so that fewer gradients are pure rounding noise
+def off_init_muon_adamw(model: GPT, cfg: TrainConfig, plan: Plan) -> MuonAdamW:
+    """The weights moved off nanochat's init (so that fewer gradients are pure rounding noise), then
+    nanochat's MuonAdamW at the flags' lrs as given (not times the plan's batch-size scale)."""
+    with torch.no_grad():
         gen = torch.Generator().manual_seed(1)
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen), alpha=0.02)
-    optimizer = build_optimizer(model, embedding_lr=cfg.embedding_lr, unembedding_lr=cfg.unembedding_lr,
-                                matrix_lr=cfg.matrix_lr, scalar_lr=cfg.scalar_lr,
-                                weight_decay=plan.weight_decay)
-    mine = rank_rows(ROWS, world, rank)
-    first = sum(rank_rows(ROWS, world, r) for r in range(rank))
-    return Components(cfg, plan, torch.device("cpu"), model, optimizer, Rows(slice(first, first + mine)),
-                      micro_slices(mine, device_batch_size))
+    return build_optimizer(model, embedding_lr=cfg.embedding_lr, unembedding_lr=cfg.unembedding_lr,
+                           matrix_lr=cfg.matrix_lr, scalar_lr=cfg.scalar_lr, weight_decay=plan.weight_decay)
 
 
-def run_steps(c: Components, also_sum: tuple[float, ...] = ()) -> tuple[list, dict]:
+def components(device_batch_size: int, world: int = 1, rank: int = 0) -> StepComponents:
+    cfg = TrainConfig(depth=2, aspect_ratio=32, head_dim=32, max_seq_len=T, window_pattern="L",
+                      device_batch_size=device_batch_size, total_batch_size=ROWS * T, num_iterations=STEPS,
+                      warmup_steps=2)
+    return step_components(cfg, VOCAB, seeded, world, rank, build=off_init_muon_adamw)
+
+
+def run_steps(c: StepComponents, also_sum: tuple[float, ...] = ()) -> tuple[list, dict]:
     results = [train_step(c, step, also_sum) for step in range(c.plan.num_iterations)]
     return results, {k: v.clone() for k, v in c.model.state_dict().items()}
 
