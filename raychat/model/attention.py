@@ -12,29 +12,40 @@ falls back to SDPA elsewhere. raychat downloads nothing, so it picks among PyTor
 Window semantics are FA3's `window_size=(window, 0)`: query i sees keys j with i - window <= j <= i.
 Masks are built once per (T, window, device) and cached; `layer_masks` is the one place that builds
 them and is kept out of torch.compile graphs, so a compiled model takes a single graph break at the
-top of forward instead of one per layer. Set RAYCHAT_ATTENTION=sdpa to use the boolean-mask path
-on CUDA too (a fallback if FlexAttention misbehaves on some GPU), or RAYCHAT_ATTENTION=flex to run
-the CUDA path on CPU (PyTorch compiles FlexAttention for CPU too: slower than the masked SDPA there,
-but it is how the tests and `bench.gpu --dry-run` exercise the GPU code without a GPU).
+top of forward instead of one per layer. Nothing here imports TorchDynamo (1.6 s per process, paid
+by every CLI, driver and Ray worker that imports the model) until something compiles.
+
+Set RAYCHAT_ATTENTION=sdpa to use the boolean-mask path on CUDA too (a fallback if FlexAttention
+misbehaves on some GPU), or RAYCHAT_ATTENTION=flex to run the CUDA path on CPU (PyTorch compiles
+FlexAttention for CPU too: slower than the masked SDPA there, but it is how the tests and
+`bench.gpu --dry-run` exercise the GPU code without a GPU).
 """
+
+from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from raychat.common import RaychatError
 
-AttentionMask = Tensor | BlockMask | None  # bool [T, T] (SDPA), BlockMask (flex), None (plain causal)
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+# bool [T, T] (SDPA), BlockMask (flex), None (plain causal)
+AttentionMask = Union[Tensor, "BlockMask", None]
 
 
 @functools.cache
 def compiled_flex_attention():
     """FlexAttention compiled once per process (eager FlexAttention materialises the full scores).
     Created on first use, from `layer_masks`, so importing raychat stays free of torch.compile."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -58,6 +69,8 @@ def sliding_window_bool_mask(seq_len: int, window: int, device: torch.device) ->
 @functools.lru_cache(maxsize=64)
 def _cached_mask(seq_len: int, window: int, device: torch.device, backend: str) -> AttentionMask:
     if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
         compiled_flex_attention()  # build the compiled kernel here, outside any compiled caller
 
         def sliding_causal(b, h, q_idx, kv_idx):
@@ -66,13 +79,24 @@ def _cached_mask(seq_len: int, window: int, device: torch.device, backend: str) 
     return sliding_window_bool_mask(seq_len, window, device)
 
 
-@torch.compiler.disable
 def layer_masks(seq_len: int, windows: list[int], device: torch.device,
                 allow_flex: bool = True) -> list[AttentionMask]:
     """One mask per layer for a forward pass of `seq_len` tokens (None where the window covers it all).
-    Kept out of compiled graphs: the cache lookup runs eagerly, the masks enter the graph as inputs.
-    allow_flex=False when T changes from call to call (generation): compiled FlexAttention
-    specialises on T and would recompile for every new length."""
+    Kept out of compiled graphs: under torch.compile the lookup goes through a torch.compiler.disable'd
+    entry (raychat.model.compiled_masks, imported only then: TorchDynamo is loaded by that time), so
+    it runs eagerly and the masks enter the graph as inputs. allow_flex=False when T changes from
+    call to call (generation): compiled FlexAttention specialises on T and would recompile for every
+    new length."""
+    if torch.compiler.is_compiling():
+        from raychat.model.compiled_masks import layer_masks_outside_graph
+
+        return layer_masks_outside_graph(seq_len, windows, device, allow_flex)
+    return build_layer_masks(seq_len, windows, device, allow_flex)
+
+
+def build_layer_masks(seq_len: int, windows: list[int], device: torch.device,
+                      allow_flex: bool) -> list[AttentionMask]:
+    """`layer_masks`, without regard to torch.compile."""
     device = torch.device(device)
     backend = attention_backend(device, allow_flex)
     return [None if w >= seq_len - 1 else _cached_mask(seq_len, w, device, backend) for w in windows]
@@ -88,6 +112,6 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int, mask: Attenti
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if mask is None:
         mask = layer_masks(seq_len, [window], q.device)[0]
-    if isinstance(mask, BlockMask):
-        return compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if isinstance(mask, Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)  # a BlockMask
