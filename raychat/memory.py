@@ -13,7 +13,8 @@ launch; the plan knows every size that decides it. Per rank, with N parameters, 
                                        per row, is left out); B = 4 M + 4 A / W, a Muon group's
                                        stacked matrices (its all-gather buffer) and the
                                        reduce-scattered AdamW shards. sgd: S = 4 N, its momentum,
-                                       whole on every rank; B = 0 (gradients reduced in place)
+                                       whole on every rank (0 with --sgd-momentum 0: no state);
+                                       B = 0 (gradients reduced in place)
     activations    what autograd keeps for the backward of one micro-batch (below)
     transients     the forward's short-lived peak on top of them: the loss's logits
 
@@ -44,16 +45,16 @@ Activations, per micro-batch of B rows of T tokens, width C, L layers, compute d
   checked against a GPU's torch.cuda.max_memory_allocated (python -m bench.gpu prints both).
 
 A save needs no device memory: each rank copies its own share of the state, 4 N / W bytes of the
-model and the optimizer state it writes (muon_adamw: S; sgd: rank 0 all 4 N), into host buffers
-(raychat.checkpoint.saver). The estimate counts what the allocator hands out: on GPUs the CUDA
-context and the caching allocator's fragmentation (typically 1-3 GiB) come on top, so "fits" keeps a
-10% margin; on CPUs glibc keeps freed heap pages resident, so peak RSS is 1.2-1.7x this figure
-(bench/memory.py measures both; bench/RESULTS.md, "Memory").
+model and the optimizer state it writes (muon_adamw: S; sgd: rank 0 all 4 N, none without momentum),
+into host buffers (raychat.checkpoint.saver). The estimate counts what the allocator hands out: on
+GPUs the CUDA context and the caching allocator's fragmentation (typically 1-3 GiB) come on top, so
+"fits" keeps a 10% margin; on CPUs glibc keeps freed heap pages resident, so peak RSS is 1.2-1.7x
+this figure (bench/memory.py measures both; bench/RESULTS.md, "Memory").
 """
 
 from dataclasses import asdict, dataclass
 
-from raychat.config import DEFAULT_OPTIMIZER
+from raychat.config import TrainConfig
 from raychat.model.gpt import GPTConfig, has_value_embedding
 from raychat.model.loss import chunk_rows_for
 from raychat.optim.registry import optimizer_spec
@@ -116,13 +117,14 @@ def activation_bytes(config: GPTConfig, rows: int, compute_bytes: int, compiled:
 
 def estimate_memory(config: GPTConfig, params: dict[str, int], micro_batch_rows: int, micro_batches: int,
                     world_size: int, compute_bytes: int, compiled: bool,
-                    optimizer: str = DEFAULT_OPTIMIZER) -> MemoryEstimate:
+                    cfg: TrainConfig | None = None) -> MemoryEstimate:
     """The estimate above for a model with `params` counts by group (GPT.num_scaling_params), trained
-    by --optimizer `optimizer`."""
+    by the --optimizer of the flags `cfg`, with its hyperparameters (None: the default flags)."""
     total = params["total"]
     activations, transients = activation_bytes(config, micro_batch_rows, compute_bytes, compiled,
                                                params["transformer_matrices"])
-    state = optimizer_spec(optimizer).state_bytes(params, world_size)
+    cfg = cfg or TrainConfig()
+    state = optimizer_spec(cfg.optimizer).state_bytes(cfg, params, world_size)
     return MemoryEstimate(
         parameters=4 * total,
         gradients=4 * total,
@@ -136,36 +138,36 @@ def estimate_memory(config: GPTConfig, params: dict[str, int], micro_batch_rows:
 
 
 def plan_memory(plan: Plan, compute_bytes: int, compiled: bool,
-                optimizer: str = DEFAULT_OPTIMIZER) -> MemoryEstimate:
+                cfg: TrainConfig | None = None) -> MemoryEstimate:
     """The estimate for the busiest rank of `plan` (the one with the most rows per step)."""
     return estimate_memory(plan.model, plan.params, min(plan.device_batch_size, plan.rows_per_rank),
-                           plan.grad_accum_steps, plan.world_size, compute_bytes, compiled, optimizer)
+                           plan.grad_accum_steps, plan.world_size, compute_bytes, compiled, cfg)
 
 
 def fit_device_batch_size(plan: Plan, device_bytes: int, compute_bytes: int, compiled: bool,
-                          optimizer: str = DEFAULT_OPTIMIZER) -> int:
+                          cfg: TrainConfig | None = None) -> int:
     """--device-batch-size -1 on a device of `device_bytes`: the largest power of two, up to the rows a
     rank trains per step, whose estimated peak fits MARGIN of it (1 when none does: the warning of
     `memory_warning` then says so)."""
     rows = 1
     while rows * 2 <= plan.rows_per_rank and plan_memory(plan.with_device_batch_size(rows * 2), compute_bytes,
-                                                         compiled, optimizer).peak <= MARGIN * device_bytes:
+                                                         compiled, cfg).peak <= MARGIN * device_bytes:
         rows *= 2
     return rows
 
 
 def fit_plan_to_device(plan: Plan, device_bytes: int, device: str, compute_bytes: int,
-                       compiled: bool, optimizer: str = DEFAULT_OPTIMIZER) -> tuple[Plan, list[str]]:
+                       compiled: bool, cfg: TrainConfig | None = None) -> tuple[Plan, list[str]]:
     """`plan` on a device of `device_bytes`: --device-batch-size -1 resolved (fit_device_batch_size),
     and the lines to log: the choice, and a warning when the estimate does not fit."""
     lines = []
     if plan.device_batch_rule == "auto":
         plan = plan.with_device_batch_size(fit_device_batch_size(plan, device_bytes, compute_bytes, compiled,
-                                                                 optimizer))
-        peak = plan_memory(plan, compute_bytes, compiled, optimizer).peak
+                                                                 cfg))
+        peak = plan_memory(plan, compute_bytes, compiled, cfg).peak
         lines.append(f"--device-batch-size -1: {plan.device_batch_size} rows per forward pass on {device} "
                      f"(estimated peak {peak / GIB:.1f} of {device_bytes / GIB:.1f} GiB)")
-    warning = memory_warning(plan_memory(plan, compute_bytes, compiled, optimizer), device_bytes, device)
+    warning = memory_warning(plan_memory(plan, compute_bytes, compiled, cfg), device_bytes, device)
     return plan, lines + ([warning] if warning else [])
 
 

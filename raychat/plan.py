@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     compute_bytes, compiled, mode = memory_mode(cfg, on_gpu)
     if device_gib is not None and plan.device_batch_rule == "auto":  # what each worker on it would pick
         plan = plan.with_device_batch_size(fit_device_batch_size(plan, int(device_gib * GIB), compute_bytes,
-                                                                 compiled, cfg.optimizer))
-    memory = plan_memory(plan, compute_bytes, compiled, cfg.optimizer)
+                                                                 compiled, cfg))
+    memory = plan_memory(plan, compute_bytes, compiled, cfg)
     tables = embedding_tables(plan.params, world_size)
     if args.json:
         print(json.dumps({**plan.to_json(), "vocab_source": vocab_source,

@@ -16,6 +16,7 @@ from helpers import MEMORY_PARAMS as PARAMS
 from helpers import StepComponents, gloo_group, step_components
 
 from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.reader import CheckpointReader
 from raychat.checkpoint.resume import Restore
 from raychat.checkpoint.saver import CheckpointSaver
 from raychat.common import RaychatError
@@ -159,7 +160,8 @@ def test_the_memory_estimate_counts_sgd_state_by_hand():
     """PARAMS: 4,000 parameters, 1,000 of them AdamW's and 3,000 Muon's (tests/helpers.py); 2 ranks."""
     args = dict(micro_batch_rows=2, micro_batches=2, world_size=2, compute_bytes=2, compiled=False)
     muon = estimate_memory(CONFIG, PARAMS, **args)
-    sgd = estimate_memory(CONFIG, PARAMS, **args, optimizer="sgd")
+    assert muon == estimate_memory(CONFIG, PARAMS, **args, cfg=flags("--optimizer", "muon_adamw"))
+    sgd = estimate_memory(CONFIG, PARAMS, **args, cfg=flags(*SGD_FLAGS))
     # SGD: one fp32 momentum per parameter, whole on every rank; gradients reduced in place
     assert sgd.optimizer == 4 * 4000 == muon.optimizer + 6_000  # Muon + AdamW: (8 x 1,000 + 4 x 3,000) / 2
     assert sgd.step_buffers == 0 == muon.step_buffers - 14_000  # Muon's stack 4 x 3,000, AdamW 4 x 1,000 / 2
@@ -167,6 +169,45 @@ def test_the_memory_estimate_counts_sgd_state_by_hand():
     assert (sgd.parameters, sgd.gradients, sgd.activations, sgd.transients) == \
         (muon.parameters, muon.gradients, muon.activations, muon.transients)
     assert sgd.peak == muon.peak + 6_000  # the forward is the peak phase of both (test_memory)
+    # --sgd-momentum 0: no state at all, nothing of it to save; the rest as with momentum
+    plain = estimate_memory(CONFIG, PARAMS, **args, cfg=flags("--optimizer", "sgd", "--sgd-momentum", "0"))
+    assert plain.optimizer == 0 and plain.step_buffers == 0
+    assert plain.save_host == 4 * 4000 // 2 == 8_000  # the rank's half of the model only
+    assert (plain.parameters, plain.gradients, plain.activations, plain.transients) == \
+        (sgd.parameters, sgd.gradients, sgd.activations, sgd.transients)
+    assert plain.peak == sgd.peak - 4 * 4000
+
+
+def test_sgd_without_momentum_keeps_saves_and_reads_no_state(tmp_path):
+    """--sgd-momentum 0: SGD keeps no state, so a checkpoint holds none of it and a resume continues
+    bit for bit from the weights alone; a checkpoint saved with momentum, resumed without it, reads
+    none of its buffers (they would never be used, and the estimate counts none)."""
+    plain = flags("--optimizer", "sgd", "--sgd-lr", "50", "--sgd-momentum", "0")
+    whole = components(plain)
+    losses = [train_step(whole, step).loss for step in range(STEPS)]
+    first = components(plain)
+    for step in range(SAVE_AT):
+        train_step(first, step)
+    assert len(first.optimizer.state) == 0
+    run = Storage(str(tmp_path / "plain"))
+    save(run, first, SAVE_AT, 1, 0, lambda obj: [obj])
+    with CheckpointReader(run.child(f"checkpoint_{SAVE_AT:06d}")) as reader:
+        assert reader.extra["stateful"] == []
+        assert not any(name.startswith("optim/") for name in reader.tensors)
+    resumed = resume(run, plain, SAVE_AT)
+    assert len(resumed.optimizer.state) == 0
+    for step in range(SAVE_AT, STEPS):
+        assert train_step(resumed, step).loss == losses[step]
+    for name, weights in whole.model.state_dict().items():
+        assert torch.equal(weights, resumed.model.state_dict()[name]), name
+
+    with_momentum = components(flags(*SGD_FLAGS))
+    for step in range(SAVE_AT):
+        train_step(with_momentum, step)
+    run = Storage(str(tmp_path / "momentum"))
+    save(run, with_momentum, SAVE_AT, 1, 0, lambda obj: [obj])
+    assert len(resume(run, flags(*SGD_FLAGS), SAVE_AT).optimizer.state) > 0
+    assert len(resume(run, plain, SAVE_AT).optimizer.state) == 0
 
 
 def _rank(rank: int, tmp: str) -> None:

@@ -80,9 +80,10 @@ class OptimizerSpec(ABC):
         nothing by default."""
 
     @abstractmethod
-    def state_bytes(self, params: dict[str, int], world_size: int) -> StateBytes:
+    def state_bytes(self, cfg: TrainConfig, params: dict[str, int], world_size: int) -> StateBytes:
         """Its memory on the busiest of `world_size` ranks, for a model with `params` counts by group
-        (GPT.num_scaling_params)."""
+        (GPT.num_scaling_params), as built from the flags `cfg` (a hyperparameter may decide what
+        state it keeps: --sgd-momentum 0 keeps none)."""
 
 
 def check_saved_groups(param_groups: list[dict], saved_groups: list[dict]) -> None:

@@ -456,7 +456,7 @@ class MuonAdamWSpec(OptimizerSpec):
                 group["momentum"] = momentum
                 group["weight_decay"] = weight_decay
 
-    def state_bytes(self, params: dict[str, int], world_size: int) -> StateBytes:
+    def state_bytes(self, cfg: TrainConfig, params: dict[str, int], world_size: int) -> StateBytes:
         """With M parameters in the transformer's matrices (Muon) and A others (AdamW), fp32: AdamW's
         two moments and Muon's momentum, sharded (Muon's factored second moment, one value per row,
         is left out); during the step a Muon group's stacked matrices (its all-gather buffer) and the

@@ -64,8 +64,9 @@ class SGD(ShardedOptimizer):
                 torch._foreach_add_(update, group_grads)
             torch._foreach_add_(group["params"], update, alpha=-group["lr"])
 
-    def _named(self) -> list[tuple[str, torch.Tensor]]:
-        return [pair for group in self.param_groups
+    def _named(self, with_momentum: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """(name, parameter) of every parameter, or of those whose group has momentum."""
+        return [pair for group in self.param_groups if group["momentum"] or not with_momentum
                 for pair in zip(group["names"], group["params"], strict=True)]
 
     def owned_pieces(self) -> tuple[list[OwnedPiece], dict]:
@@ -79,16 +80,18 @@ class SGD(ShardedOptimizer):
                 for name, p in stateful], plain
 
     def wanted_ranges(self, stateful: list[str]) -> list[Range]:
+        """The saved momenta, whole; none for a group this run gives no momentum (a checkpoint saved with
+        --sgd-momentum resumed without it: the buffers would never be used)."""
         has_state = set(stateful)
         return [(name, MOMENTUM_KEY, tuple(p.shape), 0, p.numel())
-                for name, p in self._named() if name in has_state]
+                for name, p in self._named(with_momentum=True) if name in has_state]
 
     @torch.no_grad()
     def load_owned(self, plain: dict, read: ReadRange) -> None:
         check_saved_groups(self.param_groups, plain["param_groups"])
         self.state.clear()
         has_state = set(plain["stateful"])
-        for name, p in self._named():
+        for name, p in self._named(with_momentum=True):
             if name in has_state:
                 saved = read(name, MOMENTUM_KEY, 0).view(p.shape)
                 self.state[p][MOMENTUM_KEY] = torch.zeros_like(p).copy_(saved)
@@ -103,11 +106,11 @@ class SGDSpec(OptimizerSpec):
         return SGD([{"params": list(params), "names": list(names), "lr": cfg.sgd_lr * plan.lr_scale,
                      "momentum": cfg.sgd_momentum}])
 
-    def state_bytes(self, params: dict[str, int], world_size: int) -> StateBytes:
-        """One fp32 momentum buffer per parameter on every rank (counted as if --sgd-momentum is on: the
-        estimate is an upper bound when it is 0); gradients are reduced in place, so no step buffers;
-        rank 0 saves the one copy."""
-        momentum = 4 * params["total"]
+    def state_bytes(self, cfg: TrainConfig, params: dict[str, int], world_size: int) -> StateBytes:
+        """One fp32 momentum buffer per parameter on every rank, none with --sgd-momentum 0 (SGD then
+        keeps no state at all); gradients are reduced in place, so no step buffers; rank 0 saves the
+        one copy."""
+        momentum = 4 * params["total"] if cfg.sgd_momentum else 0
         return StateBytes(state=momentum, step_buffers=0, saved=momentum)
 
 

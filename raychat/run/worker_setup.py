@@ -241,7 +241,7 @@ def _fit_to_device(plan: Plan, cfg: TrainConfig, me: _Rank, use_compile: bool) -
     compute_bytes = resolve_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, me.device).dtype.itemsize
     device_bytes = torch.cuda.get_device_properties(me.device).total_memory
     plan, lines = fit_plan_to_device(plan, device_bytes, torch.cuda.get_device_name(me.device), compute_bytes,
-                                     use_compile, cfg.optimizer)
+                                     use_compile, cfg)
     for line in lines:
         me.log(line)
     return plan
