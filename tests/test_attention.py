@@ -3,6 +3,9 @@ with the sliding window applied as an explicit loop-built mask; GQA included. Th
 block mask (the CUDA path) is checked too, through FlexAttention's eager CPU implementation."""
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +168,15 @@ def test_flex_block_mask_gradients_are_the_masked_sdpa_gradients():
         grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_eager_training_never_loads_torchdynamo():
+    """TorchDynamo costs every process that loads it 1.6 s (each CLI, driver and Ray worker): the worker
+    loop and an eager forward and backward with sliding windows must not import it."""
+    code = ("import sys, torch, raychat.run.loop\n"
+            "from raychat.model.gpt import GPT, GPTConfig\n"
+            "m = GPT(GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32,"
+            " window_pattern='SL'))\n"
+            "m(torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))).backward()\n"
+            "sys.exit('torch._dynamo' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
