@@ -268,21 +268,28 @@ def _train(config: WorkerRunConfig) -> None:
     while True:
         last_step = state.step >= num_iterations  # the driver refuses a resume past the horizon
         metrics: dict[str, Any] = {}
+
         with clock("eval"):
+            # once in a while: evaluate the val bpb (all ranks participate)
             if done_before:
                 metrics["val_bpb"] = state.val_bpb
                 if state.core_metric is not None:
                     metrics["core_metric"] = state.core_metric
             elif last_step or _due(state.step, cfg.eval_every):
                 metrics["val_bpb"] = evaluate(w, state)
+            # once in a while: estimate the CORE metric (all ranks participate)
             if core_due(cfg, state.step, last_step) and not done_before:
                 metrics.update(evaluate_core(w, state))
+            # once in a while: sample from the model (rank 0 only)
             if w.master and not done_before and (last_step or (state.step > 0 and _due(state.step,
                                                                                        cfg.sample_every))):
                 sample(w, state.step)
+
+        # save a checkpoint: on the cadence and at the end, never at the step this attempt resumed
+        # from (it is in storage already). The writer works in the background; the cadence learns
+        # from each save how long it stalled the loop and how long the write took.
         if w.saver.poll() is not None and cadence is not None:
             cadence.save_written(w.saver.writer.write_seconds)
-        # Save on the cadence and at the end, not at the step we resumed from.
         if last_step or (state.step != first_step and _save_due(cfg, state.step, signals)):
             with clock("checkpoint") as stall:
                 saved = save(w, state, wait=last_step)
@@ -291,11 +298,16 @@ def _train(config: WorkerRunConfig) -> None:
                 break
             if cadence is not None:
                 cadence.save_stalled(stall["seconds"])
+
+        # report to Ray Train (and Tune) whenever there is something to report: a barrier
         if metrics or last_step:
             report(w, state, metrics, last_step, signals.coordinator)
         if last_step:
             break
 
+        # single training step: gradients over this rank's micro-batches, all-reduced, one optimizer
+        # step. Its all-reduce also carries the flags every rank must agree on (a save due at the
+        # next step, a resize or a preemption notice): the step's one host sync serves them too.
         save_next = cadence is not None and cadence.due(state.step + 1, w.saver.submitted_step)
         result = train_step(w, state.step, also_sum=signals.local_flags(save_next))
         signals.update(result.summed)
@@ -306,6 +318,8 @@ def _train(config: WorkerRunConfig) -> None:
         if not math.isfinite(result.loss):
             stop_on_nan(w, f"Loss is {result.loss}", state.step)
             break
+
+        # logging
         log_step(w, state, result.loss, result.lrm, result.dt, result.data_wait)
         if signals.coordinator is not None:
             signals.coordinator.progress.remote(state.step)  # fire and forget: what a restart redoes
@@ -318,6 +332,8 @@ def _train(config: WorkerRunConfig) -> None:
         elif state.step % 5000 == 0:
             gc.collect()
         state.step += 1
+
+        # a planned resize or a preemption notice heard in this step's all-reduce: save now
         if signals.save_now and state.step < num_iterations:
             with clock("checkpoint"):
                 saved = save_on_request(w, state, signals)
