@@ -4,8 +4,9 @@ The driver's config for the workers, the stop note, the coordinator's attempt re
 result and every part of a checkpoint's meta.json are dataclasses mixing in `Record`: written with
 `to_dict` (plain values, nested records as nested dicts, the record's version under its version
 key) and read back with `from_dict`, which fails in one line naming the record and the field that
-is unknown or missing. A typo in a key is then found by the first test that writes and reads the
-record, not at run time on a cluster.
+is unknown, missing or of the wrong kind (a plain field's value checked against its annotation: a
+str where an int is declared, a list where a float is). A typo in a key is then found by the first
+test that writes and reads the record, not at run time on a cluster.
 
 A dict without a version key was written before its record existed (raychat kept these as plain
 dicts; existing checkpoints hold them): it is read as before, dropping the fields the record no
@@ -25,7 +26,8 @@ R = TypeVar("R", bound="Record")  # typing.Self is 3.11+; raychat runs on 3.10
 
 
 class RecordError(RaychatError):
-    """A record's dict does not fit its class: an unknown or missing field, or a newer version."""
+    """A record's dict does not fit its class: an unknown or missing field, a value of the wrong kind,
+    or a newer version."""
 
 
 class Record:
@@ -46,7 +48,8 @@ class Record:
 
     @classmethod
     def from_dict(cls: type[R], values: Any, where: str = "", path: str = "") -> R:
-        """The record `to_dict` wrote; RecordError naming the record and the field that does not fit.
+        """The record `to_dict` wrote; RecordError naming the record and the field that does not fit
+        (unknown, missing, or a value of another kind than its annotation: see `_fits`).
         `where` (a file, a config name) starts the message; `path` is where a nested record sits in
         the outermost one (CheckpointMeta.cursor.ranks[1])."""
         name = ": ".join(filter(None, (where, path, cls.__name__)))
@@ -71,12 +74,53 @@ class Record:
         if missing:
             raise RecordError(f"{name} lacks the field {missing[0]!r}")
         hints, inside = _hints(cls), path or cls.__name__
+        for key, value in values.items():
+            if not _fits(hints[key], value):
+                raise RecordError(f"{name} has the field {key!r} of the wrong kind: expected "
+                                  f"{_kind(hints[key])}, got {_kind(type(value))}")
         return cls(**{key: _typed(hints[key], v, where, f"{inside}.{key}") for key, v in values.items()})
 
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def _fits(hint: Any, value: Any) -> bool:
+    """Whether `value` is of the kind a field annotated `hint` holds, at the outer level: int (not
+    bool), float (an int too: a whole number as another tool writes it), str, bool, None only where the
+    annotation allows it, a list or tuple for list[...]/tuple[...], a dict for dict[...]. A nested
+    record checks its own fields (from_dict); other types (a Ray ObjectRef) are not plain and pass."""
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_fits(member, value) for member in typing.get_args(hint))
+    if hint is type(None) or hint is None:
+        return value is None
+    if value is None:
+        return hint is Any
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if (origin or hint) in (list, tuple):
+        return isinstance(value, list | tuple)  # to_dict writes tuples as lists; a pickle keeps them
+    if (origin or hint) is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _kind(hint: Any) -> str:
+    """A type or annotation as the error names it: int, float or None, list, dict, Cursor."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return " or ".join(_kind(member) for member in typing.get_args(hint))
+    if hint is type(None) or hint is None:
+        return "None"
+    hint = typing.get_origin(hint) or hint
+    return getattr(hint, "__name__", str(hint))
 
 
 def _plain(value: Any) -> Any:

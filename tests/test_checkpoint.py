@@ -377,7 +377,9 @@ def test_a_checkpoint_an_earlier_attempt_resumed_from_is_pruned_by_a_later_one(t
 def test_a_malformed_parent_ends_the_branch_and_a_rewind_below_a_gap_is_never_chosen(tmp_path):
     """Save 2, 4, 6, 8; rewind to 2 (no lease records it) and save 3, 5, 7 keeping 1, which prunes 3
     and 5. With 7 damaged nothing of the abandoned 4..8 is chosen; a parent that names no checkpoint
-    ends the branch rather than the command."""
+    ends the branch rather than the command. A parent of the wrong kind (not a name) is a record
+    that does not fit (raychat.records): that meta.json is left alone in one line, like any damaged
+    one, not read with its parent guessed."""
     run = Storage(str(tmp_path / "run"))
     quiet = lambda _: None  # noqa: E731
     _save_steps(CheckpointSaver(run, keep=0, rank=0, world_size=1, log=quiet), [2, 4, 6, 8])
@@ -386,8 +388,12 @@ def test_a_malformed_parent_ends_the_branch_and_a_rewind_below_a_gap_is_never_ch
                                 parent_name="checkpoint_000002"), [3, 5, 7])
     run.child("checkpoint_000007").delete(MANIFEST_FILE)
     assert latest_valid_checkpoint(run, log=quiet) is None
-    for parent in ("checkpoint_latest", 5):
-        meta_path = tmp_path / "run" / "checkpoint_000007" / "meta.json"
-        meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "parent": parent}))
-        assert [c.name for c in branch(run, log=quiet)] == ["checkpoint_000007"]
+    meta_path = tmp_path / "run" / "checkpoint_000007" / "meta.json"
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "parent": "checkpoint_latest"}))
+    assert [c.name for c in branch(run, log=quiet)] == ["checkpoint_000007"]
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "parent": 5}))
+    said: list[str] = []
+    assert "checkpoint_000007" not in [c.name for c in branch(run, log=said.append)]
+    assert said == [f"leaving checkpoint {run.child('checkpoint_000007')} alone: {meta_path}: CheckpointMeta "
+                    "has the field 'parent' of the wrong kind: expected str or None, got int"]
 

@@ -89,6 +89,54 @@ def test_a_newer_version_is_refused_and_credentials_never_reach_the_json():
     assert "SECRET" in pickle.loads(pickle.dumps(FLAGS.to_dict()))["storage_path"].unredacted()
 
 
+# A plain field given a value of another kind: (record, field, value, expected, got) as the error says.
+WRONG_KINDS = [
+    (META, "step", "8", "int", "str"),
+    (META, "step", True, "int", "bool"),  # bool is an int to Python, not to a record
+    (META, "world_size", 2.0, "int", "float"),
+    (META, "parent", 4, "str or None", "int"),
+    (META, "model_config", None, "GPTConfig", "None"),  # None only where the annotation allows it
+    (FLAGS, "fp8", 1, "bool", "int"),
+    (FLAGS, "run", None, "str", "None"),
+    (PLAN, "params", [1, 2], "dict", "list"),
+    (CORPUS, "identity", [], "dict or None", "list"),
+    (CURSOR, "unstarted", {"4": 6}, "list", "dict"),
+    (META.loop_state, "min_val_bpb", True, "float", "bool"),
+    (META.loop_state, "val_bpb", "1.5", "float or None", "str"),
+    (ATTEMPT, "last_progress", [10.5], "float or None", "list"),
+    (RESULT, "min_val_bpb", [1.5], "float", "list"),
+    (STOP, "session", 7, "str", "int"),
+]
+
+
+@pytest.mark.parametrize(("record", "key", "value", "expected", "got"), WRONG_KINDS,
+                         ids=[f"{type(r).__name__}.{k}={v!r}" for r, k, v, _, _ in WRONG_KINDS])
+def test_a_plain_field_of_the_wrong_kind_is_refused_in_one_line(record, key, value, expected, got):
+    data = json.loads(json.dumps({**record.to_dict(), key: value}))
+    with pytest.raises(RecordError) as err:
+        type(record).from_dict(data, where="somewhere.json")
+    assert str(err.value) == (f"somewhere.json: {type(record).__name__} has the field {key!r} of the wrong "
+                              f"kind: expected {expected}, got {got}")
+
+
+def test_what_a_field_may_hold_besides_its_exact_type_still_loads():
+    """An int where a float is declared (a whole number as another tool writes it), None where the
+    annotation allows it, a tuple where a list is (a pickled dict keeps tuples)."""
+    loaded = FinalResult.from_dict({**RESULT.to_dict(), "min_val_bpb": 2, "core_metric": None})
+    assert loaded.min_val_bpb == 2 and loaded.core_metric is None
+    assert Cursor.from_dict({**CURSOR.to_dict(), "unstarted": (4, 6)}) == CURSOR
+    assert FLAGS.from_dict({**FLAGS.to_dict(), "gpus_per_worker": 1}).gpus_per_worker == 1
+
+
+def test_a_nested_records_wrong_kind_names_its_path():
+    data = META.to_dict()
+    data["cursor"]["ranks"][1]["next_position"] = "7"
+    with pytest.raises(RecordError) as err:
+        CheckpointMeta.from_json(json.dumps(data), where="run/checkpoint_000008/meta.json")
+    assert str(err.value) == ("run/checkpoint_000008/meta.json: CheckpointMeta.cursor.ranks[1]: RankCursor "
+                              "has the field 'next_position' of the wrong kind: expected int, got str")
+
+
 def test_the_stop_note_round_trips_through_storage(tmp_path):
     write_stop_note(str(tmp_path), "run", STOP)
     assert read_stop_note(str(tmp_path), "run") == STOP
