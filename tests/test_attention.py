@@ -172,11 +172,12 @@ def test_flex_block_mask_gradients_are_the_masked_sdpa_gradients():
 
 def test_eager_training_never_loads_torchdynamo():
     """TorchDynamo costs every process that loads it 1.6 s (each CLI, driver and Ray worker): the worker
-    loop and an eager forward and backward with sliding windows must not import it."""
+    loop, a model built as a worker builds it (shapes on meta, then init) and an eager forward and
+    backward with sliding windows must not import it."""
     code = ("import sys, torch, raychat.run.loop\n"
-            "from raychat.model.gpt import GPT, GPTConfig\n"
-            "m = GPT(GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32,"
-            " window_pattern='SL'))\n"
+            "from raychat.model.gpt import GPTConfig, build_model\n"
+            "m = build_model(GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2,"
+            " n_embd=32, window_pattern='SL'), 'cpu')\n"
             "m(torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))).backward()\n"
             "sys.exit('torch._dynamo' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0

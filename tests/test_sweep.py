@@ -163,7 +163,8 @@ def _trial_status(experiment: Storage) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def interrupted_sweep(ray_session, tiny_corpus, s3_endpoint, tmp_path_factory):
     """Start a 2-trial sweep in the S3 bucket, one trial at a time (so the second is never done when
-    the first is), Ctrl-C it once a trial has finished, then re-run the same command. (On a bucket: the harder case; local paths go through the same Storage code.)"""
+    the first is), Ctrl-C it once a trial has finished, then re-run the same command. (On a bucket:
+    the harder case; local paths go through the same Storage code.)"""
     data_dir, tokenizer_dir = tiny_corpus
     storage = s3_uri(s3_endpoint, f"sweeps-{time.time_ns()}")
     cmd = [sys.executable, "-m", "tune.sweep", "--depths", "2,3", "--ratios", "0.008", *TINY,

@@ -207,6 +207,13 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding table left empty for `init_weights`. nn.Embedding(num, dim) would fill it with
+    N(0, 1) first, and normal_ on the meta device loads TorchDynamo (1.6 s for every process that
+    builds a model: drivers, plans, workers) to compute nothing."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         """Shapes only: this runs under `with torch.device("meta")`; `init_weights` sets every value."""
@@ -216,7 +223,7 @@ class GPT(nn.Module):
         self.window_sizes = window_sizes(config)
         vocab, width = config.padded_vocab_size, config.n_embd
         self.transformer = nn.ModuleDict({
-            "wte": nn.Embedding(vocab, width),
+            "wte": _embedding(vocab, width),
             "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
         })
         self.lm_head = Linear(width, vocab)
@@ -226,12 +233,14 @@ class GPT(nn.Module):
         self.smear_lambda = nn.Parameter(torch.empty(1))
         self.backout_lambda = nn.Parameter(torch.empty(1))
         kv_dim = config.n_kv_head * config.head_dim
-        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(vocab, kv_dim) for i in range(config.n_layer)
+        self.value_embeds = nn.ModuleDict({str(i): _embedding(vocab, kv_dim) for i in range(config.n_layer)
                                            if has_value_embedding(i, config.n_layer)})
         self.rotary_seq_len = config.sequence_len * ROTARY_OVERCOMPUTE
-        cos, sin = self._rotary_tables(torch.float32)
-        self.register_buffer("cos", cos, persistent=False)   # derived data: never in checkpoints
-        self.register_buffer("sin", sin, persistent=False)
+        # Derived data, never in checkpoints; init_weights computes them on the real device (arange on
+        # the meta device would load TorchDynamo, as in _embedding).
+        table = (1, self.rotary_seq_len, 1, config.head_dim // 2)
+        self.register_buffer("cos", torch.empty(table), persistent=False)
+        self.register_buffer("sin", torch.empty(table), persistent=False)
         self.compute_dtype = torch.float32                    # set for the real device by init_weights
 
     def _rotary_tables(self, dtype: torch.dtype) -> RotaryTables:
