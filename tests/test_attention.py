@@ -170,10 +170,11 @@ def test_flex_block_mask_gradients_are_the_masked_sdpa_gradients():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_eager_training_never_loads_torchdynamo():
-    """TorchDynamo costs every process that loads it 1.6 s (each CLI, driver and Ray worker): the worker
-    loop, a model built as a worker builds it (shapes on meta, then init) and an eager forward and
-    backward with sliding windows must not import it."""
+def test_the_model_never_loads_torchdynamo():
+    """TorchDynamo costs every process that loads it 1.6 s (each CLI and driver: they plan the model):
+    the worker loop imported, a model built as everyone builds it (shapes on meta, then init) and an
+    eager forward and backward with sliding windows must not import it. (A worker's torch.optim
+    optimizer loads it anyway.)"""
     code = ("import sys, torch, raychat.run.loop\n"
             "from raychat.model.gpt import GPTConfig, build_model\n"
             "m = build_model(GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2,"

@@ -1,7 +1,7 @@
 """`layer_masks` for code being compiled: the same cached lookup, kept out of the graph.
 
 A module of its own because torch.compiler.disable imports TorchDynamo (1.6 s per process), which
-eager training, the CLIs and the driver never need; raychat.model.attention.layer_masks imports this
+the CLIs and the driver never need; raychat.model.attention.layer_masks imports this
 only while torch.compile traces, when TorchDynamo is already loaded.
 """
 

@@ -210,7 +210,8 @@ class Block(nn.Module):
 def _embedding(num: int, dim: int) -> nn.Embedding:
     """An embedding table left empty for `init_weights`. nn.Embedding(num, dim) would fill it with
     N(0, 1) first, and normal_ on the meta device loads TorchDynamo (1.6 s for every process that
-    builds a model: drivers, plans, workers) to compute nothing."""
+    builds a model: each driver and `raychat.plan` builds one to count its parameters) to compute
+    nothing."""
     return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
 
 
