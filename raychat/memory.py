@@ -185,7 +185,7 @@ class EmbeddingTables:
     """The token and value embedding tables' bytes per rank: raychat's fp32 against nanochat's bf16."""
 
     params: int
-    fp32_bytes: int  # weights, gradients, AdamW moments (sharded)
+    fp32_bytes: int  # weights, gradients, the optimizer's state for them (AdamW's moments, sharded)
     bf16_bytes: int  # the same in bf16, as nanochat keeps them (its AdamW moments follow the weights)
 
     @property
@@ -193,9 +193,14 @@ class EmbeddingTables:
         return self.fp32_bytes - self.bf16_bytes
 
 
-def embedding_tables(params: dict[str, int], world_size: int) -> EmbeddingTables:
+def embedding_tables(params: dict[str, int], world_size: int, cfg: TrainConfig) -> EmbeddingTables:
+    """The tables' share of a rank's memory, their optimizer state as --optimizer keeps it (the state
+    of a model that had only these tables: AdamW's for Muon + AdamW, SGD's momentum or nothing)."""
     n = params["wte"] + params["value_embeds"]
-    return EmbeddingTables(n, 4 * n + 4 * n + 8 * n // world_size, 2 * n + 2 * n + 4 * n // world_size)
+    only_tables = {**dict.fromkeys(params, 0), "wte": params["wte"], "value_embeds": params["value_embeds"],
+                   "total": n}
+    state = optimizer_spec(cfg.optimizer).state_bytes(cfg, only_tables, world_size).state
+    return EmbeddingTables(n, 4 * n + 4 * n + state, 2 * n + 2 * n + state // 2)
 
 
 def gpu_memory_gib(name: str) -> float | None:
@@ -216,7 +221,7 @@ def format_memory(estimate: MemoryEstimate, tables: EmbeddingTables, mode: str, 
     lines = [f"memory per rank (estimate, {mode})"]
     lines += [f"  {key:<30}{value / GIB:,.2f} GiB" for key, value in rows]
     lines.append(f"  {'embedding tables':<30}{tables.fp32_bytes / GIB:,.2f} GiB of it (fp32, with gradients "
-                 f"and AdamW state); in bf16 as nanochat keeps them {tables.bf16_bytes / GIB:,.2f} GiB, "
+                 f"and optimizer state); in bf16 as nanochat keeps them {tables.bf16_bytes / GIB:,.2f} GiB, "
                  f"{tables.saving / max(estimate.peak, 1):.1%} off the peak")
     if device_gib is not None:
         warning = memory_warning(estimate, int(device_gib * GIB), device)

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan.with_device_batch_size(fit_device_batch_size(plan, int(device_gib * GIB), compute_bytes,
                                                                  compiled, cfg))
     memory = plan_memory(plan, compute_bytes, compiled, cfg)
-    tables = embedding_tables(plan.params, world_size)
+    tables = embedding_tables(plan.params, world_size, cfg)
     if args.json:
         print(json.dumps({**plan.to_json(), "vocab_source": vocab_source,
                           "memory": {**memory.to_json(), "mode": mode, "embedding_tables": asdict(tables)},

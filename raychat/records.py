@@ -114,13 +114,16 @@ def _fits(hint: Any, value: Any) -> bool:
 
 
 def _kind(hint: Any) -> str:
-    """A type or annotation as the error names it: int, float or None, list, dict, Cursor."""
+    """A type or annotation as the error names it: int, float or None, list, dict, Cursor; a type
+    from outside the builtins with its module (numpy.bool_, not a second "bool")."""
     if typing.get_origin(hint) in (types.UnionType, typing.Union):
         return " or ".join(_kind(member) for member in typing.get_args(hint))
     if hint is type(None) or hint is None:
         return "None"
     hint = typing.get_origin(hint) or hint
-    return getattr(hint, "__name__", str(hint))
+    name = getattr(hint, "__name__", str(hint))
+    module = getattr(hint, "__module__", "builtins")
+    return name if module in ("builtins", __name__) or module.startswith("raychat") else f"{module}.{name}"
 
 
 def _plain(value: Any) -> Any:

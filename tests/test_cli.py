@@ -19,11 +19,15 @@ COMMANDS = [
 
 
 # Each command run as `python -m <command> --help` would run it (runpy, a fresh argv), all in one
-# interpreter: thirteen interpreters importing torch and Ray cost the unit tier half a minute.
+# interpreter: thirteen interpreters importing torch and Ray cost the unit tier half a minute. Our
+# modules are forgotten between commands, so a command that works only after another's imports
+# fails here as it would alone.
 HELP_ALL = """
 import contextlib, io, json, runpy, sys
 out = {}
 for command in json.loads(sys.argv[1]):
+    for name in [m for m in sys.modules if m.split(".")[0] in ("raychat", "tune")]:
+        del sys.modules[name]
     sys.argv = [command[0], *command[1:], "--help"]
     buffer, code = io.StringIO(), None
     with contextlib.redirect_stdout(buffer):

@@ -100,11 +100,16 @@ def test_predicted_peak_is_within_15_percent_of_a_real_steps_allocations(tmp_pat
 
 
 def test_embedding_tables_in_fp32_and_in_bf16():
-    tables = embedding_tables(PARAMS, world_size=2)
+    tables = embedding_tables(PARAMS, world_size=2, cfg=TrainConfig())
     assert tables.params == 600
     assert tables.fp32_bytes == 4 * 600 + 4 * 600 + 8 * 600 // 2 == 7_200  # weights, grads, moments / W
     assert tables.bf16_bytes == 2 * 600 + 2 * 600 + 4 * 600 // 2 == 3_600
     assert tables.saving == 3_600
+    # SGD keeps one momentum per parameter on every rank, or nothing without momentum
+    sgd = embedding_tables(PARAMS, world_size=2, cfg=TrainConfig(optimizer="sgd", sgd_momentum=0.9))
+    assert sgd.fp32_bytes == 4 * 600 + 4 * 600 + 4 * 600 == 7_200 and sgd.bf16_bytes == 2_400 + 1_200
+    plain = embedding_tables(PARAMS, world_size=2, cfg=TrainConfig(optimizer="sgd", sgd_momentum=0.0))
+    assert plain.fp32_bytes == 4_800 and plain.bf16_bytes == 2_400
 
 
 def test_device_names_and_the_verdict():
@@ -113,7 +118,7 @@ def test_device_names_and_the_verdict():
     assert gpu_memory_gib("Some Future GPU") is None
     params = {"wte": 0, "value_embeds": 0, "transformer_matrices": 0, "total": GIB // 8}  # 0.5 GiB in fp32
     m = estimate_memory(CONFIG, params, 1, 1, 1, 2, compiled=True)
-    tables = embedding_tables(params, 1)
+    tables = embedding_tables(params, 1, TrainConfig())
     assert format_memory(m, tables, "GPU", 100.0, "big")[-1].startswith("  fits big (100 GiB)")
     assert "does not fit small" in format_memory(m, tables, "GPU", 1.0, "small")[-1]
 

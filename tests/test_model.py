@@ -483,3 +483,18 @@ def test_compiled_sssl_training_matches_eager():
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-4)
     assert eager_losses[-1] < eager_losses[0]
     torch.testing.assert_close(compiled_w, eager_w, rtol=0, atol=1e-4)
+
+
+def test_a_model_built_on_a_real_device_and_given_weights_computes_what_the_original_does():
+    """build_model builds shapes on meta and init_weights fills every value, derived buffers too; a
+    model built straight on the CPU (outside code, a notebook) and given a state dict has no
+    init_weights call, so it must compute its rotary tables itself (they are never in a state dict)."""
+    config = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32,
+                       window_pattern="SL")
+    copy = GPT(config)
+    torch.manual_seed(0)
+    original = build_model(config, "cpu", Precision(torch.float32, None, False))
+    copy.load_state_dict(original.state_dict(), strict=True)
+    x = torch.randint(0, 64, (2, 32))
+    assert torch.equal(copy.cos, original.cos) and torch.equal(copy.sin, original.sin)
+    assert torch.equal(copy(x), original(x))

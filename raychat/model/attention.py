@@ -83,15 +83,14 @@ def _cached_mask(seq_len: int, window: int, device: torch.device, backend: str) 
 def layer_masks(seq_len: int, windows: list[int], device: torch.device,
                 allow_flex: bool = True) -> list[AttentionMask]:
     """One mask per layer for a forward pass of `seq_len` tokens (None where the window covers it all).
-    Kept out of compiled graphs: under torch.compile the lookup goes through a torch.compiler.disable'd
-    entry (raychat.model.compiled_masks, imported only then: TorchDynamo is loaded by that time), so
-    it runs eagerly and the masks enter the graph as inputs. allow_flex=False when T changes from
-    call to call (generation): compiled FlexAttention specialises on T and would recompile for every
-    new length."""
+    Kept out of compiled graphs: under torch.compile the lookup runs through raychat.model.eager
+    (imported only then: TorchDynamo is loaded by that time), so the masks enter the graph as inputs.
+    allow_flex=False when T changes from call to call (generation): compiled FlexAttention
+    specialises on T and would recompile for every new length."""
     if torch.compiler.is_compiling():
-        from raychat.model.compiled_masks import layer_masks_outside_graph
+        from raychat.model.eager import call_eagerly
 
-        return layer_masks_outside_graph(seq_len, windows, device, allow_flex)
+        return call_eagerly(build_layer_masks, seq_len, windows, device, allow_flex)
     return build_layer_masks(seq_len, windows, device, allow_flex)
 
 

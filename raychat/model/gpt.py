@@ -207,12 +207,17 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 
+def _on_meta() -> bool:
+    """Whether modules are being built on the meta device (`with torch.device("meta")`)."""
+    return torch.empty(0).device.type == "meta"
+
+
 def _embedding(num: int, dim: int) -> nn.Embedding:
-    """An embedding table left empty for `init_weights`. nn.Embedding(num, dim) would fill it with
-    N(0, 1) first, and normal_ on the meta device loads TorchDynamo (1.6 s for every process that
-    builds a model: each driver and `raychat.plan` builds one to count its parameters) to compute
-    nothing."""
-    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    """An embedding table; on the meta device left empty for `init_weights`. nn.Embedding(num, dim)
+    would fill it with N(0, 1) first, and normal_ on the meta device loads TorchDynamo (1.6 s for
+    every process that builds a model: each driver and `raychat.plan` builds one to count its
+    parameters) to compute nothing."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim)) if _on_meta() else nn.Embedding(num, dim)
 
 
 class GPT(nn.Module):
@@ -237,11 +242,16 @@ class GPT(nn.Module):
         self.value_embeds = nn.ModuleDict({str(i): _embedding(vocab, kv_dim) for i in range(config.n_layer)
                                            if has_value_embedding(i, config.n_layer)})
         self.rotary_seq_len = config.sequence_len * ROTARY_OVERCOMPUTE
-        # Derived data, never in checkpoints; init_weights computes them on the real device (arange on
-        # the meta device would load TorchDynamo, as in _embedding).
-        table = (1, self.rotary_seq_len, 1, config.head_dim // 2)
-        self.register_buffer("cos", torch.empty(table), persistent=False)
-        self.register_buffer("sin", torch.empty(table), persistent=False)
+        # Derived data, never in checkpoints: computed here on a real device (a model built there and
+        # given a state dict needs them), left empty on meta for init_weights (arange on the meta
+        # device would load TorchDynamo, as in _embedding).
+        if _on_meta():
+            table = (1, self.rotary_seq_len, 1, config.head_dim // 2)
+            cos, sin = torch.empty(table), torch.empty(table)
+        else:
+            cos, sin = self._rotary_tables(torch.float32)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self.compute_dtype = torch.float32                    # set for the real device by init_weights
 
     def _rotary_tables(self, dtype: torch.dtype) -> RotaryTables:
