@@ -31,10 +31,11 @@ STEPS = 240  # long enough that the grow (Ray's 5 s resize check, a new group: ~
 ELASTIC = ["--num-workers", "2:3", "--cpus-per-worker", "1", "--placement-strategy", "SPREAD",
            "--resize-check-every", "5", "--total-batch-size", "2048", "--num-iterations", str(STEPS),
            "--eval-every", "80", "--save-every", "10", "--max-failures", "3"]
-# The run keeps learning through a shrink and a grow: val bpb falls from each evaluation to the next
-# (4.24 at step 0 on this corpus) and ends near an uninterrupted run's: runs of these flags on 3
-# workers ended at 2.88-3.08 (order alone moves it by 0.2), elastic runs 0.11 and 0.18 above the
-# 3-worker one. A group that resumed broken weights or stopped learning ends above the ceiling.
+# The run keeps learning through a shrink and a grow: from 4.24 at step 0 on this corpus, it ends near
+# an uninterrupted run's val bpb: runs of these flags on 3 workers ended at 2.88-3.08 (order alone
+# moves it by 0.2), elastic runs 0.11 and 0.18 above the 3-worker one. (Not lower at every
+# evaluation: the corpus is repeated ~9 times, and one elastic run went 3.04, 2.81, 2.95 at steps 80,
+# 160, 240.) A group that resumed broken weights or stopped learning ends above the ceiling.
 FINAL_BPB_CEILING = 3.3
 
 
@@ -186,8 +187,7 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
     # tiny model's final bpb by 0.2, more than a resize does; bitwise resumes are tested elsewhere).
     bpb = {int(m.group(1)): float(m.group(2)) for m in log_lines(logs, VAL_LINE)}
     evaluated = [bpb.get(step) for step in range(0, STEPS + 1, 80)]
-    assert None not in evaluated and evaluated == sorted(evaluated, reverse=True), bpb
-    assert evaluated[-1] < FINAL_BPB_CEILING, bpb
+    assert None not in evaluated and evaluated[-1] < FINAL_BPB_CEILING < evaluated[0], bpb
 
 
 def test_spot_notice_saves_before_the_node_goes(cluster, tiny_corpus, tmp_path):
