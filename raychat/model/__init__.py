@@ -1,4 +1,5 @@
-"""The GPT and what computes with it: the network (gpt), attention masks and kernels (attention), the
-chunked soft-capped loss (loss), sampling (generate), FLOPs and peak throughput (flops), dtype choices
-(precision, fp8) and whether torch.compile works here (compile_check).
+"""The GPT and what computes with it: the network (gpt), attention masks and kernels (attention; its
+masks stay out of compiled graphs through eager), the chunked soft-capped loss (loss), sampling
+(generate), FLOPs and peak throughput (flops), dtype choices (precision, fp8) and whether
+torch.compile works here (compile_check).
 """
