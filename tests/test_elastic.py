@@ -70,6 +70,24 @@ def submit(client: JobSubmissionClient, **job) -> str:
             time.sleep(2)
 
 
+def test_a_notice_is_saved_as_late_as_the_save_allows():
+    """A spot notice's save comes as close to the deadline as twice the last save and three steps
+    allow (at least 5 s before it), so the steps trained meanwhile count; at once without a
+    deadline or a measured save."""
+    from raychat.run.elastic import notice_save_due
+
+    assert not notice_save_due(None, now=100.0, save_s=1.0, step_s=0.1)  # no notice
+    assert notice_save_due(0.0, now=100.0, save_s=1.0, step_s=0.1)  # a notice without a deadline
+    assert notice_save_due(200.0, now=100.0, save_s=None, step_s=0.1)  # no save measured yet
+    # a 1 s save, 0.1 s steps: 2 + 0.3 s < 5 s, so 5 s before the deadline
+    assert not notice_save_due(200.0, now=194.9, save_s=1.0, step_s=0.1)
+    assert notice_save_due(200.0, now=195.0, save_s=1.0, step_s=0.1)
+    # a 10 s save, 2 s steps: 2 * 10 + 3 * 2 = 26 s before it
+    assert not notice_save_due(200.0, now=173.9, save_s=10.0, step_s=2.0)
+    assert notice_save_due(200.0, now=174.0, save_s=10.0, step_s=2.0)
+    assert notice_save_due(200.0, now=250.0, save_s=10.0, step_s=2.0)  # past it: save what is left
+
+
 def test_each_kind_of_restart_gets_its_own_line():
     from raychat.run.elastic import Attempt, describe_attempt
 
@@ -232,11 +250,13 @@ def test_spot_notice_saves_before_the_node_goes(cluster, tiny_corpus, tmp_path):
     assert status == JobStatus.SUCCEEDED, logs[-4000:]
     assert drained_at is not None and reclaimed is None, f"the run ended before the reclaim\n{logs[-3000:]}"
 
-    notice = re.search(r"^Preemption notice: saved step (\d+)$", logs, re.M)
+    notice = re.search(r"^Preemption notice: saved step (\d+), waiting for the node to go \(\d+s\)$", logs,
+                       re.M)
     assert notice, logs[-4000:]
     saved = int(notice.group(1))
+    # Nothing trained after the notice's save is thrown away: the group waited for the node to go.
     resumed = rf"^Preempted \(saved step {saved} on the notice\): continuing on 2 from step {saved} " \
-              rf"\(checkpoint_{saved:06d}\); \d+ steps redone$"
+              rf"\(checkpoint_{saved:06d}\); 0 steps redone$"
     assert re.search(resumed, logs, re.M), logs[-4000:]
     assert world_sizes_by_attempt(trace) == [2, 2]
     second = max((a for attempts in attempts_by_step(trace).values() for a in attempts), key=float)

@@ -52,6 +52,9 @@ def test_train_context_carries_the_preemption_info():
     assert "preemption_context" in fields, f"TrainContext has no `preemption_context` ({NEEDED})"
     PreemptionContext = _require(preemption, "PreemptionContext", preemption.__name__)
     assert PreemptionContext().preemption_info is None, NEEDED
+    info = _require(preemption, "PreemptionInfo", preemption.__name__)
+    fields = getattr(info, "__dataclass_fields__", {})
+    assert "deadline_ms" in fields, f"PreemptionInfo has no deadline ({NEEDED})"
 
 
 def test_autoscaling_coordinator_can_be_asked_to_recompute():

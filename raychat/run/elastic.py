@@ -33,7 +33,7 @@ from raychat.run.ray_internals import (
     ReschedulingState,
     ResizingState,
     RestartingState,
-    preemption_noticed,
+    preemption_deadline,
     train_requester_id,
 )
 from raychat.storage import Storage
@@ -298,6 +298,25 @@ def describe_attempt(previous: Attempt, step: int, world_size: int, checkpoint: 
                         redone)
 
 
+# A spot notice's save: how close to the reclaim deadline the group saves (beside twice its last
+# save and three steps), so the steps between the notice and the save still count; with no deadline
+# given, or no save measured yet in this attempt, it saves at once.
+NOTICE_SAVE_MARGIN_S = 5.0
+
+
+def notice_save_due(deadline: float | None, now: float, save_s: float | None, step_s: float) -> bool:
+    """Whether a rank whose node got a preemption notice (reclaimed at `deadline`, UNIX seconds; 0.0:
+    no deadline given; None: no notice) should save now: late enough that the steps trained since
+    the notice are not thrown away, early enough that a save of `save_s` seconds (its stall and
+    write, as this attempt last measured it) finishes before the node goes, with room for the step
+    in flight and the next two (`step_s` each)."""
+    if deadline is None:
+        return False
+    if not deadline or save_s is None:
+        return True
+    return now >= deadline - max(NOTICE_SAVE_MARGIN_S, 2 * save_s + 3 * step_s)
+
+
 @dataclass
 class ElasticSignals:
     """A worker's side of the elastic protocol: whether any rank was asked to save now (rank 0 by
@@ -312,11 +331,14 @@ class ElasticSignals:
     resize_requested: bool = False
     preempt_requested: bool = False
     checkpoint_due: bool = False  # rank 0's auto cadence (raychat.run.cadence) wants the next step saved
+    step_s: float = 0.0  # this rank's last step
+    save_s: float | None = None  # this rank's last save in this attempt: its stall and write
 
     def local_flags(self, checkpoint_due: bool = False) -> tuple[float, float, float]:
-        """(resize requested here, preemption noticed here, a periodic save due by rank 0's cadence)
-        as numbers to sum across ranks."""
-        preempted = not self.preempt_saved and preemption_noticed()
+        """(resize requested here, a preemption notice's save due here, a periodic save due by rank 0's
+        cadence) as numbers to sum across ranks."""
+        due = notice_save_due(preemption_deadline(), time.time(), self.save_s, self.step_s)
+        preempted = not self.preempt_saved and due
         return float(self._poll_resize()), float(preempted), float(checkpoint_due)
 
     def update(self, summed: list[float]) -> None:

@@ -39,12 +39,14 @@ from raychat.run.checkpointing import state_pieces
 from raychat.run.core_metric import core_due, evaluate_core
 from raychat.run.elastic import ElasticSignals, FinalResult
 from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
+from raychat.run.ray_internals import preemption_deadline
 from raychat.run.step import train_step
 from raychat.run.validation import SAMPLE_PROMPTS, evaluate_bpb
 from raychat.run.worker_setup import LoopState, Worker, WorkerRunConfig, all_gather_objects, setup
 from raychat.storage import Storage
 
 PLANNED_RESIZE_WAIT_S = 120.0  # after a planned-resize save, how long to wait for Ray to restart the group
+NOTICE_WAIT_GRACE_S = 30.0  # after a spot notice's save, how long past the deadline to wait for the reclaim
 
 
 def validation_rows(w: Worker) -> torch.Tensor:
@@ -151,22 +153,32 @@ def stop_on_nan(w: Worker, what: str, step: int) -> None:
 
 def save_on_request(w: Worker, state: LoopState, signals: ElasticSignals) -> bool:
     """A planned resize or a preemption notice: checkpoint this step now (synchronously), so the
-    restarted group loses nothing. Before a resize, wait to be stopped instead of training on.
-    False: the weights were not finite, nothing was saved."""
+    restarted group loses nothing, then wait to be stopped instead of training steps the next group
+    would redo: before a resize until Ray restarts the group, after a notice until the node's
+    deadline (a notice without one: train on, the node may stay for minutes). Ray stops the group;
+    if it does not (a drain called off), train on. False: the weights were not finite, nothing saved."""
     if not save(w, state, wait=True):
         return False
+    wait_s = 0.0
     if signals.preempt_requested:
         signals.preempt_saved = True
         if signals.coordinator is not None:
             ray.get(signals.coordinator.preemption_saved.remote(state.step))  # for the next attempt's line
-        w.log(f"Preemption notice: saved step {state.step}")
+        deadline = preemption_deadline()
+        if deadline:
+            wait_s = max(0.0, deadline - time.time()) + NOTICE_WAIT_GRACE_S
+            w.log(f"Preemption notice: saved step {state.step}, waiting for the node to go "
+                  f"({max(0.0, deadline - time.time()):.0f}s)")
+        else:
+            w.log(f"Preemption notice: saved step {state.step} (no deadline given: training on)")
     if signals.resize_requested:
         if signals.coordinator is not None:
             ray.get(signals.coordinator.saved.remote(state.step))
         w.log(f"Planned resize: saved step {state.step}, waiting for the new worker group")
-        deadline = time.monotonic() + PLANNED_RESIZE_WAIT_S
-        while time.monotonic() < deadline:  # Ray stops this group; if it does not, train on
-            time.sleep(0.5)
+        wait_s = max(wait_s, PLANNED_RESIZE_WAIT_S)
+    stop_waiting = time.monotonic() + wait_s
+    while time.monotonic() < stop_waiting:
+        time.sleep(0.5)
     return True
 
 
@@ -288,8 +300,10 @@ def _train(config: WorkerRunConfig) -> None:
         # save a checkpoint: on the cadence and at the end, never at the step this attempt resumed
         # from (it is in storage already). The writer works in the background; the cadence learns
         # from each save how long it stalled the loop and how long the write took.
-        if w.saver.poll() is not None and cadence is not None:
-            cadence.save_written(w.saver.writer.write_seconds)
+        if w.saver.poll() is not None:
+            signals.save_s = w.saver.writer.snapshot_seconds + w.saver.writer.write_seconds
+            if cadence is not None:
+                cadence.save_written(w.saver.writer.write_seconds)
         if last_step or (state.step != first_step and _save_due(cfg, state.step, signals)):
             with clock("checkpoint") as stall:
                 saved = save(w, state, wait=last_step)
@@ -311,6 +325,7 @@ def _train(config: WorkerRunConfig) -> None:
         save_next = cadence is not None and cadence.due(state.step + 1, w.saver.submitted_step)
         result = train_step(w, state.step, also_sum=signals.local_flags(save_next))
         signals.update(result.summed)
+        signals.step_s = result.dt
         if cadence is not None:
             cadence.step_done(result.dt)
         if w.trace_dir:

@@ -51,12 +51,14 @@ def train_requester_id(run_id: str) -> str:
     return f"train-{run_id}"
 
 
-def preemption_noticed() -> bool:
-    """Has Ray marked this worker's node as draining (a spot reclaim)? Read from the worker's own
+def preemption_deadline() -> float | None:
+    """When Ray will reclaim this worker's node, if it has marked it as draining (a spot notice): UNIX
+    seconds, 0.0 for a notice without a deadline; None without a notice. Read from the worker's own
     train context: the public ray.train.get_preemption_info() is a barrier across all workers, too
     costly to call every step."""
     context = getattr(get_train_context(), "preemption_context", None)
-    return getattr(context, "preemption_info", None) is not None
+    info = getattr(context, "preemption_info", None)
+    return None if info is None else (info.deadline_ms or 0) / 1000
 
 
 def record_command_line_redacted(redact: Callable[[str], str]) -> None:
