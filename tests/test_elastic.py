@@ -72,16 +72,17 @@ def submit(client: JobSubmissionClient, **job) -> str:
 
 def test_a_notice_is_saved_as_late_as_the_save_allows():
     """A spot notice's save comes as close to the deadline as twice the last save and three steps
-    allow (at least 5 s before it), so the steps trained meanwhile count; at once without a
-    deadline or a measured save."""
+    allow (at least 15 s before it), so the steps trained meanwhile count; at once without a
+    deadline or a measured save, and before an evaluation or the final step."""
     from raychat.run.elastic import notice_save_due
 
     assert not notice_save_due(None, now=100.0, save_s=1.0, step_s=0.1)  # no notice
     assert notice_save_due(0.0, now=100.0, save_s=1.0, step_s=0.1)  # a notice without a deadline
     assert notice_save_due(200.0, now=100.0, save_s=None, step_s=0.1)  # no save measured yet
-    # a 1 s save, 0.1 s steps: 2 + 0.3 s < 5 s, so 5 s before the deadline
-    assert not notice_save_due(200.0, now=194.9, save_s=1.0, step_s=0.1)
-    assert notice_save_due(200.0, now=195.0, save_s=1.0, step_s=0.1)
+    assert notice_save_due(200.0, now=100.0, save_s=1.0, step_s=0.1, busy_next=True)  # an eval next
+    # a 1 s save, 0.1 s steps: 2 + 0.3 s < 15 s, so 15 s before the deadline
+    assert not notice_save_due(200.0, now=184.9, save_s=1.0, step_s=0.1)
+    assert notice_save_due(200.0, now=185.0, save_s=1.0, step_s=0.1)
     # a 10 s save, 2 s steps: 2 * 10 + 3 * 2 = 26 s before it
     assert not notice_save_due(200.0, now=173.9, save_s=10.0, step_s=2.0)
     assert notice_save_due(200.0, now=174.0, save_s=10.0, step_s=2.0)

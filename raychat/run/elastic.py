@@ -290,31 +290,39 @@ def describe_attempt(previous: Attempt, step: int, world_size: int, checkpoint: 
     lost = before - world_size
     what = f"Lost {lost} worker(s)" if lost > 0 else "A worker failed"
     if previous.notice_step is not None:
-        # Steps trained after the notice's save are redone: Ray's advice is to save, then train on
-        # (the notice may come long before the node goes).
+        # The notice's save comes as late as its deadline allows and the group then waits for the
+        # node to go (raychat.run.loop.save_on_request): nothing is redone unless Ray gave no deadline.
         what = f"Preempted (saved step {previous.notice_step} on the notice)"
     where = f"from step {step} ({checkpoint})" if checkpoint else f"from step {step} (no checkpoint yet)"
     return AttemptStart("failure", f"{what}: continuing on {world_size} {where}; {redone} steps redone",
                         redone)
 
 
-# A spot notice's save: how close to the reclaim deadline the group saves (beside twice its last
-# save and three steps), so the steps between the notice and the save still count; with no deadline
-# given, or no save measured yet in this attempt, it saves at once.
-NOTICE_SAVE_MARGIN_S = 5.0
+# A spot notice's save: how close to the reclaim deadline the group saves at the latest (beside twice
+# its last save and three steps): room for the work before a save (metrics flush, fence check, the
+# cursors' gather, a periodic save still in flight) and for clocks that differ between the machine
+# that set the deadline, Ray's controller and the workers.
+NOTICE_SAVE_MARGIN_S = 15.0
 
 
-def notice_save_due(deadline: float | None, now: float, save_s: float | None, step_s: float) -> bool:
-    """Whether a rank whose node got a preemption notice (reclaimed at `deadline`, UNIX seconds; 0.0:
-    no deadline given; None: no notice) should save now: late enough that the steps trained since
-    the notice are not thrown away, early enough that a save of `save_s` seconds (its stall and
-    write, as this attempt last measured it) finishes before the node goes, with room for the step
-    in flight and the next two (`step_s` each)."""
+def notice_margin(save_s: float, step_s: float) -> float:
+    """Seconds before a notice's deadline by which its save starts (see NOTICE_SAVE_MARGIN_S)."""
+    return max(NOTICE_SAVE_MARGIN_S, 2 * save_s + 3 * step_s)
+
+
+def notice_save_due(deadline: float | None, now: float, save_s: float | None, step_s: float,
+                    busy_next: bool = False) -> bool:
+    """Whether the workers, told of a preemption (the node reclaimed at `deadline`, UNIX seconds;
+    0.0: no deadline given; None: no notice), should save at this step boundary: late enough that
+    the steps trained since the notice count, early enough that a save of `save_s` seconds (its
+    stall and write, as this attempt last measured it) ends before the node goes. At once without a
+    deadline or a measured save, and before work that does not look at the deadline (`busy_next`: an
+    evaluation, CORE, samples or the final step come next)."""
     if deadline is None:
         return False
-    if not deadline or save_s is None:
+    if not deadline or save_s is None or busy_next:
         return True
-    return now >= deadline - max(NOTICE_SAVE_MARGIN_S, 2 * save_s + 3 * step_s)
+    return now >= deadline - notice_margin(save_s, step_s)
 
 
 @dataclass
@@ -334,10 +342,12 @@ class ElasticSignals:
     step_s: float = 0.0  # this rank's last step
     save_s: float | None = None  # this rank's last save in this attempt: its stall and write
 
-    def local_flags(self, checkpoint_due: bool = False) -> tuple[float, float, float]:
+    def local_flags(self, checkpoint_due: bool = False,
+                    busy_next: bool = False) -> tuple[float, float, float]:
         """(resize requested here, a preemption notice's save due here, a periodic save due by rank 0's
-        cadence) as numbers to sum across ranks."""
-        due = notice_save_due(preemption_deadline(), time.time(), self.save_s, self.step_s)
+        cadence) as numbers to sum across ranks. `busy_next`: an evaluation or the final step comes
+        after this step (a notice's save goes before it)."""
+        due = notice_save_due(preemption_deadline(), time.time(), self.save_s, self.step_s, busy_next)
         preempted = not self.preempt_saved and due
         return float(self._poll_resize()), float(preempted), float(checkpoint_due)
 

@@ -37,7 +37,7 @@ from raychat.model.generate import generate
 from raychat.run.cadence import SaveCadence
 from raychat.run.checkpointing import state_pieces
 from raychat.run.core_metric import core_due, evaluate_core
-from raychat.run.elastic import ElasticSignals, FinalResult
+from raychat.run.elastic import ElasticSignals, FinalResult, notice_margin
 from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
 from raychat.run.ray_internals import preemption_deadline
 from raychat.run.step import train_step
@@ -151,26 +151,39 @@ def stop_on_nan(w: Worker, what: str, step: int) -> None:
         write_stop_note(w.storage_path, w.cfg.name, StopNote(reason="nan", session=w.session, step=step))
 
 
+def notice_deadline(w: Worker) -> float:
+    """The earliest reclaim deadline any rank has heard of (UNIX seconds), 0.0 for none: Ray tells
+    each worker of a notice in its own time, so every rank reads the same answer from a gather."""
+    heard = [d for d in all_gather_objects(preemption_deadline(), w.world_size) if d]
+    return min(heard, default=0.0)
+
+
 def save_on_request(w: Worker, state: LoopState, signals: ElasticSignals) -> bool:
     """A planned resize or a preemption notice: checkpoint this step now (synchronously), so the
     restarted group loses nothing, then wait to be stopped instead of training steps the next group
-    would redo: before a resize until Ray restarts the group, after a notice until the node's
-    deadline (a notice without one: train on, the node may stay for minutes). Ray stops the group;
-    if it does not (a drain called off), train on. False: the weights were not finite, nothing saved."""
+    would redo: before a resize until Ray restarts the group, after a notice's last save until the
+    node's deadline. A notice's save made early (its deadline still far off: before an evaluation,
+    or before any save was timed) is followed by training and a later one. A notice without a
+    deadline is saved at once and trained past (Ray restarts the group within two minutes). Ray
+    stops the group; if it does not, train on. False: the weights were not finite, nothing saved."""
     if not save(w, state, wait=True):
         return False
     wait_s = 0.0
     if signals.preempt_requested:
-        signals.preempt_saved = True
         if signals.coordinator is not None:
             ray.get(signals.coordinator.preemption_saved.remote(state.step))  # for the next attempt's line
-        deadline = preemption_deadline()
-        if deadline:
-            wait_s = max(0.0, deadline - time.time()) + NOTICE_WAIT_GRACE_S
-            w.log(f"Preemption notice: saved step {state.step}, waiting for the node to go "
-                  f"({max(0.0, deadline - time.time()):.0f}s)")
+        deadline, writer = notice_deadline(w), w.saver.writer
+        left = max(0.0, deadline - time.time())
+        saved = f"Preemption notice: saved step {state.step}"
+        if not deadline:
+            signals.preempt_saved = True
+            w.log(f"{saved} (no deadline given: training on)")
+        elif left > notice_margin(writer.snapshot_seconds + writer.write_seconds, signals.step_s):
+            w.log(f"{saved}, training on ({left:.0f}s before the node goes)")
         else:
-            w.log(f"Preemption notice: saved step {state.step} (no deadline given: training on)")
+            signals.preempt_saved = True
+            wait_s = left + NOTICE_WAIT_GRACE_S
+            w.log(f"{saved}, waiting for the node to go ({left:.0f}s)")
     if signals.resize_requested:
         if signals.coordinator is not None:
             ray.get(signals.coordinator.saved.remote(state.step))
@@ -231,6 +244,12 @@ def _trace_consumed(w: Worker, step: int) -> None:
 
 def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
+
+
+def _busy(cfg: TrainConfig, step: int, num_iterations: int) -> bool:
+    """Whether the loop evaluates, scores CORE, samples or ends at `step` (before training it)."""
+    return (step >= num_iterations or _due(step, cfg.eval_every) or core_due(cfg, step, False)
+            or _due(step, cfg.sample_every))
 
 
 def _save_due(cfg: TrainConfig, step: int, signals: ElasticSignals) -> bool:
@@ -300,10 +319,8 @@ def _train(config: WorkerRunConfig) -> None:
         # save a checkpoint: on the cadence and at the end, never at the step this attempt resumed
         # from (it is in storage already). The writer works in the background; the cadence learns
         # from each save how long it stalled the loop and how long the write took.
-        if w.saver.poll() is not None:
-            signals.save_s = w.saver.writer.snapshot_seconds + w.saver.writer.write_seconds
-            if cadence is not None:
-                cadence.save_written(w.saver.writer.write_seconds)
+        if w.saver.poll() is not None and cadence is not None:
+            cadence.save_written(w.saver.writer.write_seconds)
         if last_step or (state.step != first_step and _save_due(cfg, state.step, signals)):
             with clock("checkpoint") as stall:
                 saved = save(w, state, wait=last_step)
@@ -323,7 +340,10 @@ def _train(config: WorkerRunConfig) -> None:
         # step. Its all-reduce also carries the flags every rank must agree on (a save due at the
         # next step, a resize or a preemption notice): the step's one host sync serves them too.
         save_next = cadence is not None and cadence.due(state.step + 1, w.saver.submitted_step)
-        result = train_step(w, state.step, also_sum=signals.local_flags(save_next))
+        writer = w.saver.writer  # its last save this attempt, however it was waited for: a notice's margin
+        signals.save_s = writer.snapshot_seconds + writer.write_seconds if writer.write_seconds else None
+        flags = signals.local_flags(save_next, busy_next=_busy(cfg, state.step + 1, num_iterations))
+        result = train_step(w, state.step, also_sum=flags)
         signals.update(result.summed)
         signals.step_s = result.dt
         if cadence is not None:
