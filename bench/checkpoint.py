@@ -9,6 +9,9 @@ in the same invocation:
   save    the snapshot stall (`CheckpointSaver.save` -> `AsyncCheckpointWriter.snapshot_seconds`,
           all the training thread waits for), one training step taken while the write runs, the
           background write + upload (`write_seconds`) and the bytes it wrote;
+  memory  the memory tier (raychat.run.replicas): one replication's copy (the stall), its put and two
+          holders' receipt (background), what a holder keeps, a restore from the holders; per rank
+          at d24 for W = 8, 16, 64 with --network-gbps between nodes;
   resume  the driver's check (`damage`: manifest and sizes), a full hash pass (`damage(deep=True)`,
           what the driver did before sharded checkpoints) and one rank's `read_share` +
           `apply_share`, with the bytes each read.
@@ -45,19 +48,24 @@ import tempfile
 import time
 from pathlib import Path
 
+import ray
 import torch
 
 from bench.os_bytes import os_bytes
 from bench.s3_server import start_moto
 from raychat.checkpoint.format import MANIFEST_FILE, checkpoint_dir_name, damage, rank_file
-from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.meta import CheckpointMeta, LoopState
 from raychat.checkpoint.reader import CheckpointReader
 from raychat.checkpoint.saver import CheckpointSaver
+from raychat.checkpoint.shardfile import io_count
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig
-from raychat.model.gpt import build_model
+from raychat.data.cursor import RankCursor
+from raychat.model.gpt import GPTConfig, build_model
 from raychat.optim.muon_adamw import build_optimizer
+from raychat.run.cadence import holder_bytes
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
+from raychat.run.replicas import MemoryRestore, Replica, ReplicaHolder, Replicator
 from raychat.scaling import resolve_plan
 from raychat.storage import Storage
 
@@ -136,7 +144,59 @@ def measure(depth: int, args: argparse.Namespace, locations: dict[str, str]) -> 
             "load_s": load_s, "load_bytes_read": load_read,
         }
         print(row(result, backend), flush=True)  # a d12 run takes minutes: show each as it lands
+    if args.memory:
+        result["memory"] = measure_memory_tier(model, optimizer, step_s, step)
+        print(memory_row(result), flush=True)
     return result
+
+
+def measure_memory_tier(model: torch.nn.Module, optimizer, step_s: float, step) -> dict:
+    """The memory tier's costs (raychat.run.replicas) on this machine's Ray: one replication (the copy
+    the loop waits for; the put and the two holders' receipt, in the background while a step trains),
+    what the holders keep, and a restore through the sharded reader's interface. Both holders are on
+    this node here: the network transfer a peer node adds is estimated for d24 from --network-gbps."""
+    holders = [ReplicaHolder.remote(), ReplicaHolder.remote()]
+    replicator = Replicator(holders[0], holders[1], epoch=1, attempt=0, log=lambda _: None, every=1)
+    try:
+        ray.get([h.nbytes.remote() for h in holders])  # the holders' processes are up
+        stalls, sends = [], []
+        for i in range(3):  # the first copy allocates its host buffers: the median is the steady state
+            pieces, plain = state_pieces(model, optimizer, 1, 0)
+            replica = Replica(epoch=1, attempt=0, step=i + 1, rank=0, world_size=1, pieces=pieces,
+                              cursor=RankCursor(0, 1, 0, []), loop_state=LoopState(step=i + 1), extra=plain,
+                              units=(1, None))
+            replicator.replicate(replica)
+            stalls.append(replicator.writer.snapshot_seconds)
+            step_during_send_s = step()
+            replicator.writer.wait()
+            sends.append(replicator.writer.write_seconds)
+        held = ray.get(holders[1].nbytes.remote())
+        read0 = io_count.read
+        start = time.perf_counter()
+        restore = MemoryRestore.agree(holders, epoch=1, min_step=0, model=GPTConfig(), rank=0,
+                                      all_gather=lambda obj: [obj], log=print)
+        share = restore.load(lambda reader: read_share(reader, model, optimizer, 1, 0))
+        apply_share(share, model, optimizer, 1, torch.device("cpu"))
+        restore_s = time.perf_counter() - start
+        stall_s = statistics.median(stalls)
+        return {"bytes_per_rank": replica.nbytes, "stall_s": stall_s, "stall_per_step": stall_s / step_s,
+                "send_s": statistics.median(sends), "step_during_send_s": step_during_send_s,
+                "holder_bytes": held, "restore_s": restore_s, "storage_bytes_read": io_count.read - read0,
+                "copy_bytes_per_s": replica.nbytes / stall_s}
+    finally:
+        replicator.close()
+        for holder in holders:
+            ray.kill(holder)
+
+
+def memory_row(r: dict) -> str:
+    m = r["memory"]
+    copy = f"copy {1000 * m['stall_s']:.1f} ms ({m['stall_per_step']:.3f} step)"
+    return (f"d{r['depth']:<4} memory  | {copy} | "
+            f"put + 2 holders {m['send_s']:.2f} s (step meanwhile {m['step_during_send_s']:.2f} s) | "
+            f"{m['bytes_per_rank'] / 1e9:.3f} GB per rank per replication | holder keeps "
+            f"{m['holder_bytes'] / 1e9:.3f} GB (2 steps) | restore {m['restore_s']:.2f} s, "
+            f"{m['storage_bytes_read']} B from storage")
 
 
 def d24_estimate(base: dict, args: argparse.Namespace) -> dict:
@@ -159,6 +219,14 @@ def d24_estimate(base: dict, args: argparse.Namespace) -> dict:
         estimate["backends"][backend] = {key: m[key] * scale for key in ("stall_s", "write_s", "verify_s",
                                                                            "load_s")}
         estimate["backends"][backend]["stall_per_step"] = m["stall_s"] * scale / step_s
+    if "memory" in base:  # per rank at W ranks: its 1/W, copied at the measured rate, sent at the network's
+        m, link = base["memory"], args.network_gbps * 1e9 / 8
+        estimate["memory"] = {str(world): {
+            "bytes_per_rank": total / world, "copy_s": total / world / m["copy_bytes_per_s"],
+            "node_send_s": 8 * total / world / link,
+            "holder_bytes_per_node": holder_bytes(int(total / world), 8),
+            "copy_per_step": total / world / m["copy_bytes_per_s"] / step_s} for world in (8, 16, 64)}
+        estimate["network_gbps"] = args.network_gbps
     return estimate
 
 
@@ -181,6 +249,8 @@ def report(results: list[dict], estimate: dict) -> None:
     for r in results:
         for backend in r["backends"]:
             print(row(r, backend))
+        if "memory" in r:
+            print(memory_row(r))
     print("\nS3 / local (time ratios):")
     for r in results:
         s3, local = r["backends"]["s3"], r["backends"]["local"]
@@ -200,6 +270,12 @@ def report(results: list[dict], estimate: dict) -> None:
     for backend, b in e["backends"].items():
         print(f"  {backend:<6} stall {b['stall_s']:.1f} s ({b['stall_per_step']:.2f} step), write "
               f"{b['write_s']:.0f} s, driver verify {b['verify_s']:.0f} s, load per rank {b['load_s']:.0f} s")
+    for world, m in e.get("memory", {}).items():
+        print(f"  memory W={world:<3} per rank {m['bytes_per_rank'] / 1e9:.2f} GB a replication: copy "
+              f"{m['copy_s']:.2f} s ({m['copy_per_step']:.3f} step, this host's copy rate; a GPU's copy to "
+              f"pinned memory differs); a node of 8 ranks sends {8 * m['bytes_per_rank'] / 1e9:.1f} GB to "
+              f"its peer in {m['node_send_s']:.2f} s at {e['network_gbps']:g} Gbit/s and holds "
+              f"{m['holder_bytes_per_node'] / 1e9:.1f} GB")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed training steps per depth (default 2)")
     parser.add_argument("--local-dir", default=None, help="where the local-disk checkpoints go, in a "
                         "temporary directory removed at the end (default: the system temp dir)")
+    parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory tier "
+                        "(peer-memory replicas: starts a local Ray instance)")
+    parser.add_argument("--network-gbps", type=float, default=100.0, help="the network between nodes for "
+                        "the memory tier's d24 estimate, in Gbit/s (default 100)")
     parser.add_argument("--quick", action="store_true", help="smoke test: vocab 4096, 128-token batch, "
                         "one timed step")
     args = parser.parse_args(argv)
@@ -234,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
     server, endpoint = start_moto(BUCKET)
+    if args.memory:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     print(HEADER, flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix="raychat_bench_ckpt_", dir=args.local_dir) as local:
@@ -243,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.terminate()
         server.wait(timeout=30)
+        if args.memory:
+            ray.shutdown()
     estimate = d24_estimate(results[-1], args)
     report(results, estimate)
 

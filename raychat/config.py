@@ -100,6 +100,12 @@ class TrainConfig(Record):
     max_lost_minutes: float = _flag(1.0, "--save-every 0: the most training a node lost without notice "
                                     "should redo, in minutes (the checkpoint interval plus a save's write)",
                                     "evaluation")
+    replicate_every: int = _flag(0, "mirror every rank's state in host memory on its own node and a peer "
+                                 "node every N steps, so a node lost without notice redoes at most N steps "
+                                 "and its restart reads nothing from storage (0 = auto: as often as the "
+                                 "copies stall training at most 2/100 of its time; -1 = off; a one-node "
+                                 "group keeps its own node's copy only, for a lost worker process)",
+                                 "evaluation")
     core_metric_every: int = _flag(2000, "evaluate nanochat's CORE metric every N steps and at the end "
                                    "(-1 or 0 = off); needs the eval bundle (see --eval-bundle)", "evaluation")
     core_metric_max_per_task: int = _flag(500, "examples per CORE task, a fixed seeded subsample (-1 = all)",
@@ -183,6 +189,9 @@ class TrainConfig(Record):
         for flag, value in (("--run-name", self.run_name), ("--model-tag", self.model_tag)):
             if value:  # a directory name under --storage-path, never a path out of it
                 check_name(value, flag)
+        if self.replicate_every < -1:
+            raise RaychatError(f"--replicate-every must be N >= 1, 0 (auto) or -1 (off), got "
+                               f"{self.replicate_every}")
         if self.resize_check_every < 0:
             raise RaychatError(f"--resize-check-every must be >= 0 seconds, got {self.resize_check_every}")
 

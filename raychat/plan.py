@@ -27,7 +27,7 @@ from raychat.memory import (
     plan_memory,
 )
 from raychat.model.precision import DTYPES, run_auto_dtype
-from raychat.run.cadence import plan_line
+from raychat.run.cadence import plan_line, replica_line
 from raychat.scaling import format_plan, resolve_plan
 from raychat.tokenizer.core import META_FILE, Tokenizer
 
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raychat plan for {cfg.tag} (vocab size from {vocab_source})")
         print(format_plan(plan))
         print(plan_line(cfg.save_every, cfg.max_lost_minutes))
+        print(replica_line(cfg.replicate_every, memory.save_host))
         print("\n".join(format_memory(memory, tables, mode, device_gib, device)))
         for line in budget_lines(budget) if budget else [f"corpus: none sized yet (needs a corpus in "
                                                         f"{data_dir} and a tokenizer in {tokenizer_dir})"]:

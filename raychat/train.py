@@ -13,7 +13,7 @@ import time
 from raychat.common import run_cli
 from raychat.config import add_config_flags, config_from_args, preset_note
 from raychat.data.budget import corpus_budget_lines
-from raychat.run.cadence import plan_line
+from raychat.run.cadence import plan_line, replica_line
 from raychat.run.driver import connect_ray, fit_run, prepare_run, summary_lines
 from raychat.scaling import format_plan
 
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if (note := preset_note(run.cfg.preset)) is not None:
         print(note, flush=True)
     print(plan_line(run.cfg.save_every, run.cfg.max_lost_minutes), flush=True)
+    print(replica_line(run.cfg.replicate_every), flush=True)
     for line in corpus_budget_lines(run.plan, run.index, run.tokenizer):
         print(line, flush=True)
     connect_ray(run.cfg)

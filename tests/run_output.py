@@ -18,14 +18,16 @@ RAYCHAT_LINES = [re.compile(p) for p in (
     r"^  \S",  # the plan's rows and the summary's
     r"^Preset \w+: ",
     r"^Checkpoints: ",
+    r"^Memory replicas: ",  # the driver's plan line, and the loop's auto interval
     r"^corpus: ",
     # the driver, at Ray's start: the one line in place of Ray's own (raychat.run.driver.ray_line)
     r"^Ray: (started a local instance|joined the cluster at \S+)(; dashboard http\S+( \(it asks for the "
     r"cluster's token: `ray get-auth-token` prints it\))?)?$",
     # each attempt: its one line, and on a restart what happened (raychat.run.elastic.describe_attempt)
-    r"^(Starting at step 0 \(no checkpoint\)|Starting from nanochat's weights at step 0|Resumed from \S+ at "
-    r"step \d+ \(saved by \d+ workers, now \d+\)): training to step \d+ at world size (?P<w>\d+) "
-    r"\((?P=w) worker\(s\) on \d+ node\(s\)\), \d+ rows/step on rank 0 in micro-batches \[[\d, ]+\], "
+    r"^(Starting at step 0 \(no checkpoint\)|Starting from nanochat's weights at step 0|Resumed from "
+    r"(\S+|peer memory) at step \d+ \((saved by|replicas of) \d+ workers, now \d+\)): training to step "
+    r"\d+ at world size (?P<w>\d+) \((?P=w) worker\(s\) on \d+ node\(s\)\), \d+ rows/step on rank 0 in "
+    r"micro-batches \[[\d, ]+\], "
     r"device \w+, \w+$",
     r"^(Lost \d+ worker\(s\)|A worker failed|Preempted \(saved step \d+ on the notice\)): continuing on \d+ "
     r"from step \d+ \(.+\); \d+ steps redone$",

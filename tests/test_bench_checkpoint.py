@@ -39,6 +39,15 @@ def test_checkpoint_bench_quick(tmp_path):
         assert local[moved] < 1.1 * local["checkpoint_bytes"], moved
     estimate = numbers["d24_estimate"]
     assert estimate["model_bytes"] == 4 * estimate["params"]
+    # The memory tier: a replica is the checkpoint's state (less its index and meta), two holders keep
+    # it at two steps, and its restore reads nothing from storage.
+    memory = depth["memory"]
+    assert 0.9 * local["checkpoint_bytes"] < memory["bytes_per_rank"] <= local["checkpoint_bytes"]
+    assert memory["holder_bytes"] == 2 * memory["bytes_per_rank"]
+    assert memory["storage_bytes_read"] == 0 and memory["restore_s"] > 0
+    total = estimate["model_bytes"] + estimate["optim_bytes"]
+    assert estimate["memory"]["8"]["bytes_per_rank"] == pytest.approx(total / 8)
+    assert estimate["memory"]["8"]["holder_bytes_per_node"] == pytest.approx(4 * total, rel=1e-6)
 
 
 def test_checkpoint_scale_bench_meets_the_per_rank_targets_at_two_ranks():

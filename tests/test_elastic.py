@@ -21,6 +21,7 @@ from trace_audit import assert_epoch1_exactly_once, attempts_by_step, read_trace
 
 from bench.multinode import node_of_pid, stop_processes_under
 from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
+from raychat.run.metrics_log import METRICS_FILE, parse_records
 from raychat.storage import Storage
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200)]
@@ -161,9 +162,17 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
     assert status == JobStatus.SUCCEEDED, logs[-4000:]
     assert "lost" in events and "back" in events, f"the run ended before the resize: {events}\n{logs[-3000:]}"
 
-    # The log says what happened, one line each; the summary counts it.
-    lost = r"^Lost 1 worker\(s\): continuing on 2 from step \d+ \(checkpoint_\d+\); \d+ steps redone$"
-    assert re.search(lost, logs, re.M), logs[-4000:]
+    # The log says what happened, one line each; the summary counts it. The lost node's ranks come
+    # back from their replicas in peer memory (raychat.run.replicas), not from storage: at most the
+    # replica interval (auto) is redone, twice that if a replica was still being sent.
+    lost = re.search(r"^Lost 1 worker\(s\): continuing on 2 from step (\d+) \(peer memory\); (\d+) steps "
+                     r"redone$", logs, re.M)
+    assert lost, logs[-4000:]
+    intervals = [int(m.group(1)) for m in re.finditer(r"^Memory replicas: every (\d+) step\(s\)",
+                                                      logs[:lost.start()], re.M)]
+    assert intervals and int(lost.group(2)) <= 2 * intervals[-1], logs[-4000:]
+    assert re.search(rf"^Resumed from peer memory at step {lost.group(1)} \(replicas of 3 workers, now 2\)",
+                     logs, re.M), logs[-4000:]
     assert re.search(r"^Grew to 3 workers at step \d+ \(no steps redone\)$", logs, re.M), logs[-4000:]
     summary = r"^  restarts        : 1 \(\d+ steps redone\), planned resizes: 1$"
     assert re.search(summary, logs, re.M), logs[-2000:]
@@ -178,8 +187,12 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
     (train_run,) = [r for r in runs if r["name"] == "elastic"]
     assert [len(a["workers"]) for a in train_run["attempts"]] == [3, 2, 3], train_run["attempts"]
 
-    # Exactly once: the final timeline trained every epoch-1 document once (or holds it in flight).
+    # Nothing of the checkpoint was read from storage by the attempt that resumed from memory.
     run = Storage(storage).child("elastic")
+    starts = [r for r in parse_records(run.read_text(METRICS_FILE)) if r["kind"] == "start"]
+    assert [r["storage_read_bytes"] == 0 for r in starts] == [True, True, False], starts
+
+    # Exactly once: the final timeline trained every epoch-1 document once (or holds it in flight).
     final = read_meta(latest_valid_checkpoint(run))
     assert final.step == STEPS and final.world_size == 3
     assert sorted(read_trace(trace)) == list(range(STEPS))

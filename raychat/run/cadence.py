@@ -97,6 +97,35 @@ def plan_line(save_every: int, max_lost_minutes: float) -> str:
             f"the log says N and each change")
 
 
+# The memory tier (raychat.run.replicas), whose cadence and footprint the plan states.
+REPLICA_STALL_BUDGET = 0.02  # auto --replicate-every: the share of step time the copies may stall the loop
+REPLICA_KEEP_STEPS = 2  # replicas a holder keeps per rank: the newest step and the one before
+
+
+def holder_bytes(share_bytes: int, ranks_per_node: int) -> int:
+    """Host memory one node's holder keeps: its own ranks' replicas and its peer node's ranks', each
+    rank's share (model and optimizer state it owns) at REPLICA_KEEP_STEPS steps."""
+    return REPLICA_KEEP_STEPS * 2 * ranks_per_node * share_bytes
+
+
+def replica_line(replicate_every: int, share_bytes: int | None = None) -> str:
+    """What the driver and the plan print about the memory tier before the run starts."""
+    if replicate_every < 0:
+        return ("Memory replicas: off (--replicate-every -1): a node lost without notice restarts from the "
+                "last checkpoint in storage")
+    every = (f"every {replicate_every} steps" if replicate_every > 0 else
+             f"auto (--replicate-every 0): every step or more, as the copy stalls training <= "
+             f"{100 * REPLICA_STALL_BUDGET:g}% and one send is in flight")
+    line = (f"Memory replicas: {every}; each rank's state on its own node and the next node: a lost worker "
+            f"or node resumes from memory, nothing read from storage (a one-node group keeps its own node's "
+            f"copy, for a lost worker process)")
+    if share_bytes is not None:
+        line += (f"; host memory: {holder_bytes(share_bytes, 1) / 2**30:,.2f} GiB held per rank on each node "
+                 f"(two steps, its own ranks' and a peer's), beside a {share_bytes / 2**30:,.2f} GiB copy "
+                 f"buffer per rank")
+    return line
+
+
 class SaveCadence:
     """Rank 0's side of --save-every 0: measures steps and saves, says when the next save is due."""
 

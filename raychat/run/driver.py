@@ -52,6 +52,7 @@ from raychat.run.elastic import (
     final_result,
     release_stale_reservation,
     start_coordinator,
+    stop_coordinator,
 )
 from raychat.run.lease import RunLease
 from raychat.run.loop import train_loop_per_worker
@@ -408,9 +409,17 @@ def _interrupt_fit(run: PreparedRun) -> Callable[[str], None] | None:
 
 def fit_run(run: PreparedRun, callbacks: list | None = None) -> FinalResult:
     """Train the run to its end; what it reached. A user error from a worker, a NaN stop, or the
-    loss of the run's lease to another driver comes back as one RaychatError line."""
+    loss of the run's lease to another driver comes back as one RaychatError line. The run's
+    coordinator and its replica holders end with it, whichever way it ends."""
     if run.finished:
         return finished_result(run)
+    try:
+        return _fit(run, callbacks)
+    finally:
+        stop_coordinator(run.session)
+
+
+def _fit(run: PreparedRun, callbacks: list | None) -> FinalResult:
     lease = hold_run(run)
     release_stale_reservation(run.run_dir)
     try:

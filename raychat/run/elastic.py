@@ -36,6 +36,7 @@ from raychat.run.ray_internals import (
     preemption_deadline,
     train_requester_id,
 )
+from raychat.run.replicas import start_holders
 from raychat.storage import Storage
 
 SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
@@ -86,6 +87,7 @@ class Coordinator:
         self.noticed: float | None = None  # when the controller last began a restart or resize
         self.attempts = 0
         self.final: FinalResult | None = None
+        self.holders: dict[str, ray.actor.ActorHandle] = {}  # by node id (raychat.run.replicas)
 
     def request_save(self) -> None:
         """A planned resize asks for a save. After the last step there is nothing left to save (the
@@ -126,6 +128,11 @@ class Coordinator:
     def final_result(self) -> FinalResult | None:
         return self.final
 
+    def replica_holders(self, node_ids: list[str]) -> dict[str, "ray.actor.ActorHandle"]:
+        """Every replica holder of the run by node id, one started on each of `node_ids` that has none:
+        created here, so they end with this actor (the driver's run), not with a worker or its node."""
+        return dict(start_holders(self.holders, node_ids))
+
     def start_attempt(self, step: int, world_size: int) -> Attempt:
         """Called by rank 0 of each new attempt: what the previous attempt did."""
         previous = Attempt(attempt=self.attempts, last_step=self.last_step, world_size=self.world_size,
@@ -155,6 +162,14 @@ def start_coordinator(session: str) -> "ray.actor.ActorHandle":
     _LIVE[session] = Coordinator.options(name=coordinator_name(session), num_cpus=0,
                                          scheduling_strategy=here).remote()
     return _LIVE[session]
+
+
+def stop_coordinator(session: str) -> None:
+    """End the run's coordinator, and with it the replica holders it owns (their memory)."""
+    coordinator = _LIVE.pop(session, None)
+    if coordinator is not None:
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.kill(coordinator)
 
 
 def final_result(session: str) -> FinalResult | None:
@@ -339,21 +354,23 @@ class ElasticSignals:
     resize_requested: bool = False
     preempt_requested: bool = False
     checkpoint_due: bool = False  # rank 0's auto cadence (raychat.run.cadence) wants the next step saved
+    replicate_due: bool = False  # rank 0's auto --replicate-every wants the next step replicated
     step_s: float = 0.0  # this rank's last step
     save_s: float | None = None  # this rank's last save in this attempt: its stall and write
 
-    def local_flags(self, checkpoint_due: bool = False,
-                    busy_next: bool = False) -> tuple[float, float, float]:
+    def local_flags(self, checkpoint_due: bool = False, busy_next: bool = False,
+                    replicate_due: bool = False) -> tuple[float, float, float, float]:
         """(resize requested here, a preemption notice's save due here, a periodic save due by rank 0's
-        cadence) as numbers to sum across ranks. `busy_next`: an evaluation or the final step comes
-        after this step (a notice's save goes before it)."""
+        cadence, a memory replica due by rank 0's) as numbers to sum across ranks. `busy_next`: an
+        evaluation or the final step comes after this step (a notice's save goes before it)."""
         due = notice_save_due(preemption_deadline(), time.time(), self.save_s, self.step_s, busy_next)
         preempted = not self.preempt_saved and due
-        return float(self._poll_resize()), float(preempted), float(checkpoint_due)
+        return float(self._poll_resize()), float(preempted), float(checkpoint_due), float(replicate_due)
 
     def update(self, summed: list[float]) -> None:
-        resize, preempt, due = summed
+        resize, preempt, due, replicate = summed
         self.resize_requested, self.preempt_requested, self.checkpoint_due = resize > 0, preempt > 0, due > 0
+        self.replicate_due = replicate > 0
 
     @property
     def save_now(self) -> bool:

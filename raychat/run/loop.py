@@ -40,6 +40,7 @@ from raychat.run.core_metric import core_due, evaluate_core
 from raychat.run.elastic import ElasticSignals, FinalResult, notice_margin
 from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
 from raychat.run.ray_internals import preemption_deadline
+from raychat.run.replicas import Replica
 from raychat.run.step import train_step
 from raychat.run.validation import SAMPLE_PROMPTS, evaluate_bpb
 from raychat.run.worker_setup import LoopState, Worker, WorkerRunConfig, all_gather_objects, setup
@@ -139,6 +140,19 @@ def save(w: Worker, state: LoopState, wait: bool) -> bool:
     meta = checkpoint_meta(w, state, merged) if w.master else None
     w.saver.save(state.step, pieces, gathered[0][1], meta, extra=plain, wait=wait)
     return True
+
+
+def replicate(w: Worker, state: LoopState) -> None:
+    """Mirror this rank's state before step `state.step` in its holders' memory (raychat.run.replicas):
+    the pieces a checkpoint would write and the rank's cursor (rank 0: the loop state and the optimizer's
+    plain data too). No collective: the cursors are merged at a restore."""
+    pieces, plain = state_pieces(w.orig_model, w.optimizer, w.world_size, w.rank)
+    first = w.master
+    w.replicator.replicate(Replica(
+        epoch=w.replicator.epoch, attempt=w.replicator.attempt, step=state.step, rank=w.rank,
+        world_size=w.world_size, pieces=pieces, cursor=w.loader.state(),
+        loop_state=replace(state) if first else None, extra=plain if first else None,
+        units=(w.loader.num_units, w.loader.shuffle_seed) if first else None))
 
 
 def stop_on_nan(w: Worker, what: str, step: int) -> None:
@@ -330,6 +344,14 @@ def _train(config: WorkerRunConfig) -> None:
             if cadence is not None:
                 cadence.save_stalled(stall["seconds"])
 
+        # mirror the state in peer memory: every --replicate-every steps, or when rank 0's auto choice
+        # asked at the last step's all-reduce (a copy to host memory; sent in the background)
+        auto_replicate = cfg.replicate_every == 0
+        if w.replicator is not None and not last_step and (
+                signals.replicate_due if auto_replicate else w.replicator.due(state.step, first_step)):
+            with clock("checkpoint"):
+                replicate(w, state)
+
         # report to Ray Train (and Tune) whenever there is something to report: a barrier
         if metrics or last_step:
             report(w, state, metrics, last_step, signals.coordinator)
@@ -342,7 +364,10 @@ def _train(config: WorkerRunConfig) -> None:
         save_next = cadence is not None and cadence.due(state.step + 1, w.saver.submitted_step)
         writer = w.saver.writer  # its last save this attempt, however it was waited for: a notice's margin
         signals.save_s = writer.snapshot_seconds + writer.write_seconds if writer.write_seconds else None
-        flags = signals.local_flags(save_next, busy_next=_busy(cfg, state.step + 1, num_iterations))
+        replicate_next = (w.master and w.replicator is not None and cfg.replicate_every == 0
+                          and w.replicator.auto_due(state.step + 1, first_step, signals.step_s))
+        flags = signals.local_flags(save_next, busy_next=_busy(cfg, state.step + 1, num_iterations),
+                                    replicate_due=replicate_next)
         result = train_step(w, state.step, also_sum=flags)
         signals.update(result.summed)
         signals.step_s = result.dt
@@ -377,6 +402,8 @@ def _train(config: WorkerRunConfig) -> None:
                 break
 
     w.saver.close()
+    if w.replicator is not None:
+        w.replicator.close()
     w.loader.close()
     w.publisher.flush()
     if w.wandb:

@@ -27,6 +27,7 @@ from raychat.checkpoint.fence import Fence, LeaseLost
 from raychat.checkpoint.meta import CheckpointMeta, LoopState
 from raychat.checkpoint.resume import Restore, candidates
 from raychat.checkpoint.saver import CheckpointSaver
+from raychat.checkpoint.shardfile import io_count
 from raychat.common import RaychatError
 from raychat.config import TrainConfig
 from raychat.corpus.index import CorpusIndex, CorpusRecord, confirm_identity, corpus_record
@@ -39,11 +40,12 @@ from raychat.model.precision import configure_matmuls, resolve_precision
 from raychat.optim.base import ShardedOptimizer
 from raychat.optim.registry import optimizer_spec
 from raychat.records import Record
-from raychat.run.checkpointing import apply_share, read_share
+from raychat.run.checkpointing import Share, apply_share, read_share
 from raychat.run.console import log_line
 from raychat.run.elastic import ElasticSignals, coordinator_name, describe_attempt
 from raychat.run.metrics import LogLines, Publisher, RayMetrics, TrainReport, WandbLogger
 from raychat.run.metrics_log import MetricsLog
+from raychat.run.replicas import MemoryRestore, Replicator, peer_nodes, retain_only
 from raychat.run.step import micro_slices
 from raychat.scaling import Plan, rank_rows
 from raychat.storage import Storage
@@ -97,6 +99,7 @@ class Worker:
     trace_dir: str | None = None
     attempt: str = ""  # one id per start of the group (rank 0's): a trace tells redone steps apart
     val_rows: torch.Tensor | None = None  # this rank's share of the fixed validation rows, built at first use
+    replicator: Replicator | None = None  # the memory tier's sender (None: --replicate-every -1 or one node)
 
     @property
     def master(self) -> bool:
@@ -171,6 +174,33 @@ def _agree_on_restore(config: WorkerRunConfig, run: Storage, tokenizer: Tokenize
     return restore
 
 
+def _replica_holders(config: WorkerRunConfig, node_of_rank: list[str], me: _Rank
+                     ) -> tuple[list[Any], dict[str, Any]]:
+    """The run's replica holders (raychat.run.replicas): those earlier groups started, which may keep
+    the set to resume from, and all of them by node once rank 0 has started one on each of this
+    group's nodes that has none (unless --replicate-every is -1). New holders keep nothing: a first
+    attempt asks none of them."""
+    coordinator = ray.get_actor(coordinator_name(config.session))
+    earlier = ray.get(coordinator.replica_holders.remote([])) if me.rank == 0 else None
+    if me.rank == 0 and config.train_config.replicate_every >= 0:
+        ray.get(coordinator.replica_holders.remote(node_of_rank))
+    earlier = me.gather(list(earlier) if earlier is not None else None)[0]  # after rank 0 started them
+    everyone = ray.get(coordinator.replica_holders.remote([]))
+    return [everyone[node] for node in earlier], everyone
+
+
+def _replicator(config: WorkerRunConfig, holders: dict[str, Any], node_of_rank: list[str], attempt: int,
+                me: _Rank) -> Replicator | None:
+    """This rank's sender to its own node's holder and its peer node's (none on a one-node group), or
+    None with --replicate-every -1."""
+    every = config.train_config.replicate_every
+    if every < 0:
+        return None
+    peer = peer_nodes(node_of_rank)[me.rank]
+    return Replicator(holders[node_of_rank[me.rank]], holders[peer] if peer is not None else None,
+                      config.lease_epoch, attempt, me.log, every)
+
+
 def _loader_starter(config: WorkerRunConfig, cfg: TrainConfig, index: CorpusIndex, me: _Rank,
                     trace_dir: str | None) -> Callable[[CheckpointMeta | None], TrainLoader]:
     """Starts this rank's loader on a checkpoint's cursor (None: the start of the corpus)."""
@@ -211,7 +241,8 @@ def _start_attempt(config: WorkerRunConfig, state: LoopState, resumed_from: str 
     state.resizes += start.kind == "planned"
     state.redone_steps += start.redone_steps
     return ElasticSignals(coordinator), {"noticed": previous.noticed, "last_progress": previous.last_progress,
-                                         "last_progress_step": previous.last_step}
+                                         "last_progress_step": previous.last_step,
+                                         "attempt": previous.attempt}
 
 
 def _publisher(w: Worker, state: LoopState, run: Storage, precision: str, peak_source: str,
@@ -274,31 +305,51 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     index: CorpusIndex = ray.get(config.corpus_index)   # the driver's, from the footers: no listing here
     confirm_identity(index, where)
     trace_dir = os.environ.get("RAYCHAT_TRACE_DIR")
+    node_of_rank = me.gather(ray.get_runtime_context().get_node_id())
+    earlier_holders, holders = _replica_holders(config, node_of_rank, me)
     restore = _agree_on_restore(config, run, tokenizer, me)
+    # Peer memory first when it holds a whole set at least as new as the durable checkpoint: nothing
+    # is read from storage then (raychat.run.replicas).
+    durable_step = restore.meta.step if restore.meta is not None else 0
+    memory = MemoryRestore.agree(earlier_holders, config.lease_epoch, durable_step, plan.model,
+                                 me.rank, me.gather, me.log) if earlier_holders else None
     start_loader = _loader_starter(config, cfg, index, me, trace_dir)
-    first_choice = restore.checkpoint
-    loader = start_loader(restore.meta)
+    loader_meta = memory.meta if memory is not None else restore.meta
+    loader = start_loader(loader_meta)
 
     orig_model, model, optimizer, precision = _build_model_and_optimizer(cfg, plan, me.device, use_compile)
     state = LoopState()
-    share = restore.load(lambda reader: read_share(reader, orig_model, optimizer, me.world_size, me.rank))
-    resumed_from = restore.checkpoint.name if share is not None else None
+
+    def read(reader: Any) -> Share:
+        return read_share(reader, orig_model, optimizer, me.world_size, me.rank)
+
+    share = memory.load(read) if memory is not None else None
+    source = memory if share is not None else restore
+    if share is None:
+        share = restore.load(read)
+    # The saver's lineage goes on from the newest durable checkpoint whichever tier the state came from.
+    resumed_from = restore.checkpoint.name if share is not None and restore.checkpoint is not None else None
+    resumed_label = (source.checkpoint if source is memory else resumed_from) if share is not None else None
+    if earlier_holders and me.rank == 0:  # they keep the set resumed from, until this attempt has its own
+        retain_only(earlier_holders, memory.key if source is memory else None)
     if share is not None:
-        if restore.checkpoint != first_choice:  # fell back to an older checkpoint: its cursor
+        if source.meta is not loader_meta:  # fell back from memory or to an older checkpoint: its cursor
             loader.close()
-            loader = start_loader(restore.meta)
+            loader = start_loader(source.meta)
         apply_share(share, orig_model, optimizer, me.world_size, me.device)
         del share
-        state = dataclasses.replace(restore.meta.loop_state, step=restore.meta.step)
-        saved_by = restore.meta.world_size
-        origin = (f"Resumed from {restore.checkpoint} at step {state.step} (saved by {saved_by} workers, "
+        state = dataclasses.replace(source.meta.loop_state, step=source.meta.step)
+        saved_by = source.meta.world_size
+        what = "replicas of" if source is memory else "saved by"
+        origin = (f"Resumed from {source.checkpoint} at step {state.step} ({what} {saved_by} workers, "
                   f"now {me.world_size})")
     elif config.init_weights is not None:  # a new run from nanochat's weights (every attempt
         orig_model.load_state_dict(ray.get(config.init_weights), strict=True)  # until its first save)
         origin = "Starting from nanochat's weights at step 0"
     else:
         origin = "Starting at step 0 (no checkpoint)"
-    signals, times = _start_attempt(config, state, resumed_from, me)
+    signals, times = _start_attempt(config, state, resumed_label, me)
+    replicator = _replicator(config, holders, node_of_rank, me.gather(times.pop("attempt", 0))[0], me)
 
     slices = micro_slices(rank_rows(plan.rows_per_step, me.world_size, me.rank), plan.device_batch_size)
     peak, peak_source = peak_flops(me.device)
@@ -315,12 +366,14 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
                               parent_name=resumed_from, fence=fence),
         micro_slices=slices, peak_flops=peak, trace_dir=trace_dir,
         wandb=WandbLogger(cfg.run, config=cfg.to_public_dict()) if master else None,
-        attempt=me.gather(f"{time.time():.3f}")[0] if trace_dir else "",
+        attempt=me.gather(f"{time.time():.3f}")[0] if trace_dir else "", replicator=replicator,
     )
-    times.update(launched=config.launched, setup_started=setup_started)
-    worker.publisher = _publisher(worker, state, run, precision, peak_source, resumed_from, times)
+    # What this attempt's restore read from checkpoint files in storage, all ranks (0 from peer memory).
+    times.update(launched=config.launched, setup_started=setup_started,
+                 storage_read_bytes=sum(me.gather(io_count.read)))
+    worker.publisher = _publisher(worker, state, run, precision, peak_source, resumed_label, times)
     # The attempt's one line (Ray's own narration of it is silenced: raychat.run.quiet).
-    nodes = len(set(me.gather(ray.get_runtime_context().get_node_id())))
+    nodes = len(set(node_of_rank))
     me.log(f"{origin}: training to step {plan.num_iterations} at world size {me.world_size} ({me.world_size} "
            f"worker(s) on {nodes} node(s)), {slices[-1].stop} rows/step on rank 0 in micro-batches "
            f"{[s.stop - s.start for s in slices]}, device {me.device}, {precision}")

@@ -1,0 +1,357 @@
+"""The memory tier: every rank's state mirrored in host memory on its own node and a peer node, so a
+lost node costs at most a few steps and no read from the bucket.
+
+A durable checkpoint writes the whole state to storage, too much to do every step at scale, and a
+restart reads it all back (16 GB for d24 on 8 GPUs). GEMINI (SOSP '23) keeps the newest checkpoint
+in CPU memory instead, one copy on the rank's own machine and one on a peer's; raychat does the same
+with Ray actors:
+
+- `ReplicaHolder`: one zero-CPU actor per node of the worker group, created and owned by the run's
+  coordinator (on the driver's node, so holders outlive any worker and end with the driver's run).
+  It keeps, for each rank that sends to it, the replicas of the two newest steps: a step whose set
+  was still in flight when a node died has the one before it complete.
+- The rank's side (`Replicator`): at a replication step, the pieces the rank owns (the very pieces
+  and names of a sharded checkpoint: raychat.run.checkpointing.state_pieces) are copied to reused
+  host buffers (the only stall), then a background thread puts them in Ray's object store once and
+  hands them to two holders: its own node's (survives the worker process, not the node) and the next
+  node's in the group's ring (survives the node). Any single node lost leaves every rank's replica
+  somewhere.
+- The restore (`MemoryRestore`): rank 0 asks every holder what it has, takes the newest step of this
+  run's lease epoch for which every rank of the saving group is held, and each rank reads only the
+  byte ranges it will own at its world size (`MemoryReader`, the sharded reader's interface), so a
+  resize re-shards as a checkpoint does. The cursors of all ranks travel with their replicas and are
+  merged on restore, as a save merges them. A set that cannot be read whole (its holder died during
+  the restore) is abandoned by every rank together, for the durable checkpoint.
+
+Durable checkpoints keep their cadence: they are the truth for a cluster lost whole.
+"""
+
+import dataclasses
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raychat.checkpoint.meta import CheckpointMeta, LoopState
+from raychat.checkpoint.saver import AsyncCheckpointWriter
+from raychat.checkpoint.sharded import Piece
+from raychat.data.cursor import Cursor, RankCursor, merge_cursor
+from raychat.model.gpt import GPTConfig
+from raychat.run.cadence import REPLICA_KEEP_STEPS, REPLICA_STALL_BUDGET, WRITER_DUTY
+
+T = TypeVar("T")
+
+HOLDER_CALL_S = 30.0  # how long a rank or the restore waits on one holder before counting it lost
+RECENT_STEPS = 20  # auto: the step time is the median of this many recent steps
+PROBE_STEPS = 2  # auto: the attempt's first replica, this many steps in (past the first step's warm-up)
+
+
+@dataclasses.dataclass
+class Replica:
+    """What one rank hands its holders at one step: its pieces and cursor; rank 0 also the loop's state,
+    the optimizer's plain data and what merging the cursors needs."""
+
+    epoch: int  # the run lease's epoch: a superseded driver's replicas are never restored
+    attempt: int  # which start of the worker group made it (the coordinator's count)
+    step: int  # the state before this optimizer step
+    rank: int
+    world_size: int
+    pieces: list[Piece]
+    cursor: RankCursor
+    loop_state: LoopState | None = None  # rank 0
+    extra: dict | None = None  # rank 0: the optimizer's plain data, as a checkpoint's index keeps it
+    units: tuple[int, int | None] | None = None  # rank 0: (train units, shuffle seed) for merge_cursor
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Which set it belongs to, in the order sets are made (a later attempt's step N follows)."""
+        return self.step, self.attempt
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.tensor.numel() * p.tensor.element_size() for p in self.pieces)
+
+    def summary(self) -> dict:
+        """What the restore needs to know of it without its tensors."""
+        return {"epoch": self.epoch, "key": self.key, "rank": self.rank, "world_size": self.world_size,
+                "pieces": [(p.name, p.shape, p.start, p.tensor.numel(), p.tensor.dtype) for p in self.pieces]}
+
+
+@ray.remote(num_cpus=0)
+class ReplicaHolder:
+    """One node's store of replicas (see the module's docstring)."""
+
+    def __init__(self):
+        self.replicas: dict[int, dict[tuple[int, int], Replica]] = {}  # rank -> key -> replica
+
+    def put(self, replica: Replica) -> int:
+        """Keep `replica`, drop that rank's older ones beyond REPLICA_KEEP_STEPS; the bytes now held."""
+        kept = self.replicas.setdefault(replica.rank, {})
+        kept[replica.key] = replica
+        for key in sorted(kept)[:-REPLICA_KEEP_STEPS]:
+            del kept[key]
+        return self.nbytes()
+
+    def retain(self, key: tuple[int, int] | None) -> None:
+        """A new attempt started from set `key` (None: from storage): keep only that set's replicas,
+        its fallback until the attempt's own sets are complete. Others are older than what the run
+        resumed from, or a dead attempt's future that no restore may mix with the new one's."""
+        for rank in list(self.replicas):
+            self.replicas[rank] = {k: r for k, r in self.replicas[rank].items() if k == key}
+
+    def inventory(self) -> list[dict]:
+        return [r.summary() for kept in self.replicas.values() for r in kept.values()]
+
+    def state(self, key: tuple[int, int], rank: int) -> tuple[RankCursor, LoopState | None, dict | None,
+                                                             tuple[int, int | None] | None]:
+        r = self.replicas[rank][tuple(key)]
+        return r.cursor, r.loop_state, r.extra, r.units
+
+    def read(self, key: tuple[int, int], rank: int, name: str, start: int, offset: int, numel: int
+             ) -> torch.Tensor:
+        """Elements [offset, offset + numel) of the piece of `name` starting at `start` (a copy: a view
+        would send its whole buffer)."""
+        for piece in self.replicas[rank][tuple(key)].pieces:
+            if piece.name == name and piece.start == start:
+                return piece.tensor[offset:offset + numel].clone()
+        raise KeyError(f"{name}@{start} of rank {rank}")
+
+    def nbytes(self) -> int:
+        return sum(r.nbytes for kept in self.replicas.values() for r in kept.values())
+
+
+def start_holders(existing: dict[str, Any], node_ids: list[str]) -> dict[str, Any]:
+    """A holder on each of `node_ids` that has none yet (called inside the coordinator, which owns them)."""
+    for node_id in node_ids:
+        if node_id not in existing:
+            on_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
+            existing[node_id] = ReplicaHolder.options(num_cpus=0, scheduling_strategy=on_node).remote()
+    return existing
+
+
+def peer_nodes(node_of_rank: list[str]) -> list[str | None]:
+    """Each rank's peer node: the next of the group's nodes in a fixed ring (None on a one-node group:
+    its ranks keep their own node's copy only, which outlives a worker's process, not the node)."""
+    ring = sorted(set(node_of_rank))
+    if len(ring) < 2:
+        return [None] * len(node_of_rank)
+    return [ring[(ring.index(node) + 1) % len(ring)] for node in node_of_rank]
+
+
+def choose_interval(step_s: float, stall_s: float, send_s: float) -> int:
+    """Auto --replicate-every: the shortest interval whose copies stall training at most
+    REPLICA_STALL_BUDGET of its time and whose background sends leave the host idle half of it, as
+    the checkpoint writer's (one in flight; a send competes with the loader for the CPUs)."""
+    step_s = max(step_s, 1e-6)
+    by_stall = math.ceil(stall_s / (REPLICA_STALL_BUDGET * step_s))
+    return max(1, by_stall, math.ceil(send_s / (WRITER_DUTY * step_s)))
+
+
+class Replicator:
+    """A rank's side: copy its pieces at a replication step, send them in the background."""
+
+    def __init__(self, own: Any, peer: Any | None, epoch: int, attempt: int, log: Callable[[str], None],
+                 every: int = 0):
+        self.holders = [own] if peer is None else [own, peer]
+        self.epoch, self.attempt, self.log = epoch, attempt, log
+        self.every = every  # 0: auto, chosen by rank 0 from the first replica's costs
+        self.writer = AsyncCheckpointWriter()
+        self.last_step: int | None = None
+        self.failed: str | None = None  # the last send's error: a lost holder is reported, never raised
+        self.held_bytes = 0  # what the last holder sent to keeps, after the last send
+        self._steps: deque[float] = deque(maxlen=RECENT_STEPS)
+
+    def replicate(self, replica: Replica) -> None:
+        """Copy `replica`'s pieces now (the stall); put and send them in a background thread. A state
+        that is not finite is never sent (its holders keep the last good one, as storage does); a
+        holder that did not take the last one is said once, and the loop goes on."""
+        if self.failed is not None:
+            self.log(f"Memory replicas: step {self.last_step} was not kept ({self.failed})")
+            self.failed = None
+
+        def send(snapshot: list[Piece]) -> None:
+            if not all(bool(p.tensor.isfinite().all()) for p in snapshot if p.tensor.is_floating_point()):
+                self.failed = "the weights or optimizer state are not finite"
+                return
+            ref = ray.put(dataclasses.replace(replica, pieces=snapshot))
+            try:
+                held = ray.get([h.put.remote(ref) for h in self.holders], timeout=HOLDER_CALL_S)
+                self.held_bytes, self.failed = held[-1], None
+            except (ray.exceptions.RayError, TimeoutError) as e:  # a holder's node is going: the group too
+                self.failed = f"{type(e).__name__}: {e}".splitlines()[0]
+
+        self.writer.submit(None, replica.pieces, send)
+        self.last_step = replica.step
+
+    def due(self, step: int, first_step: int) -> bool:
+        """Fixed --replicate-every N: every N steps. Auto: rank 0's flag (ElasticSignals) decides."""
+        return self.every > 0 and step != first_step and step % self.every == 0
+
+    def auto_due(self, step: int, first_step: int, step_s: float) -> bool:
+        """Rank 0, auto: whether the state before `step` is to be replicated, at the interval chosen
+        from the last replica's copy and send and the median of recent steps (`step_s`: the last one).
+        A new interval is taken when it is half or twice the current one (measurements wobble), and
+        logged."""
+        if step_s > 0:
+            self._steps.append(step_s)
+        if self.last_step is None:
+            return step >= first_step + PROBE_STEPS
+        if not self.writer.done():  # one replica in flight: the next waits for it, never the loop
+            return False
+        median_s = statistics.median(self._steps)
+        every = choose_interval(median_s, self.writer.snapshot_seconds, self.writer.write_seconds)
+        if self.every == 0 or every >= 2 * self.every or 2 * every <= self.every:
+            copy_s, send_s = self.writer.snapshot_seconds, self.writer.write_seconds
+            self.log(f"Memory replicas: every {every} step(s) (copy {1000 * copy_s:.0f}ms = "
+                     f"{100 * copy_s / (every * median_s):.1f}% of training, sent in {1000 * send_s:.0f}ms, "
+                     f"step {1000 * median_s:.0f}ms)")
+            self.every = every
+        return step - self.last_step >= self.every
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def choose_set(inventories: list[list[dict]], epoch: int, min_step: int
+               ) -> tuple[tuple[int, int], int] | None:
+    """(key, world size) of the newest set of this epoch at or after `min_step` (the durable
+    checkpoint's step) whose every rank is held by some holder, or None."""
+    ranks: dict[tuple[tuple[int, int], int], set[int]] = {}
+    for inventory in inventories:
+        for replica in inventory:
+            if replica["epoch"] == epoch and replica["key"][0] >= min_step:
+                ranks.setdefault((tuple(replica["key"]), replica["world_size"]), set()).add(replica["rank"])
+    whole = [k for k, held in ranks.items() if held == set(range(k[1]))]
+    return max(whole, default=None)
+
+
+class MemoryReader:
+    """One replica set, read by byte range like a checkpoint (raychat.checkpoint.reader's interface
+    for `read_share`): each read asks the holders that keep the pieces it spans."""
+
+    def __init__(self, holders: list[Any], inventories: list[list[dict]], key: tuple[int, int], world: int,
+                 extra: dict):
+        self.directory = f"peer memory (step {key[0]})"
+        self.key, self.extra = key, extra
+        self.tensors: dict[str, dict] = {}
+        for holder, inventory in zip(holders, inventories, strict=True):
+            for replica in inventory:
+                if tuple(replica["key"]) != key or replica["world_size"] != world:
+                    continue
+                for name, shape, start, numel, dtype in replica["pieces"]:
+                    entry = self.tensors.setdefault(name, {"shape": tuple(shape), "dtype": dtype,
+                                                           "pieces": {}})
+                    entry["pieces"].setdefault(start, (numel, holder, replica["rank"]))
+
+    def read(self, name: str, start: int = 0, numel: int | None = None,
+             shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        entry = self.tensors.get(name)
+        if entry is None or (shape is not None and entry["shape"] != tuple(shape)):
+            raise ReplicaLost(f"the replicas have no {name} of shape {shape}")
+        numel = math.prod(entry["shape"]) - start if numel is None else numel
+        stop, refs, covered = start + numel, [], start
+        for piece_start in sorted(entry["pieces"]):
+            piece_numel, holder, rank = entry["pieces"][piece_start]
+            low, high = max(covered, piece_start), min(stop, piece_start + piece_numel)
+            if low < high and low == covered:
+                offset = low - piece_start
+                refs.append(holder.read.remote(self.key, rank, name, piece_start, offset, high - low))
+                covered = high
+        if covered != stop:
+            raise ReplicaLost(f"the replicas do not cover elements {covered}..{stop} of {name}")
+        if not refs:
+            return torch.empty(0, dtype=entry["dtype"])
+        parts = ray.get(refs, timeout=HOLDER_CALL_S)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class ReplicaLost(Exception):
+    """A replica set could not be read whole: the restore falls back to the durable checkpoint."""
+
+
+def inventories(holders: list[Any]) -> list[list[dict]]:
+    """What each holder keeps; a holder that does not answer (its node is gone) keeps nothing."""
+    refs = [h.inventory.remote() for h in holders]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HOLDER_CALL_S)
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref) if ref in ready else [])
+        except ray.exceptions.RayError:
+            out.append([])
+    return out
+
+
+class MemoryRestore:
+    """The replica set every rank resumes from (rank 0 chooses; `agree` returns None when there is
+    none newer than the durable checkpoint). `meta` first (the loader starts on its cursor), then
+    `load` the tensors, None for every rank if any rank could not read its share."""
+
+    def __init__(self, holders: list[Any], found: list[list[dict]], key: tuple[int, int], world: int,
+                 meta: CheckpointMeta, extra: dict, all_gather: Callable[[Any], list[Any]],
+                 log: Callable[[str], None]):
+        self.holders, self.found, self.key, self.world = holders, found, key, world
+        self.meta, self.extra, self.all_gather, self.log = meta, extra, all_gather, log
+        self.checkpoint = "peer memory"
+
+    @classmethod
+    def agree(cls, holders: list[Any], epoch: int, min_step: int, model: GPTConfig, rank: int,
+              all_gather: Callable[[Any], list[Any]], log: Callable[[str], None]) -> "MemoryRestore | None":
+        """Rank 0 finds the newest whole set and reads its cursors and loop state; every rank hears."""
+        choice = None
+        if rank == 0 and holders:
+            try:
+                choice = _read_choice(holders, epoch, min_step, model)
+            except (ray.exceptions.RayError, TimeoutError, KeyError) as e:
+                log(f"Memory replicas: could not be read ({type(e).__name__}); resuming from storage")
+        choice = all_gather(choice)[0]
+        if choice is None:
+            return None
+        found, key, world, meta, extra = choice
+        return cls(holders, found, key, world, meta, extra, all_gather, log)
+
+    def load(self, read: Callable[[MemoryReader], T]) -> T | None:
+        """`read(reader)` on every rank, or None on every rank when any of them could not."""
+        try:
+            reader = MemoryReader(self.holders, self.found, self.key, self.world, self.extra)
+            share, problem = read(reader), None
+        except (ReplicaLost, ray.exceptions.RayError, TimeoutError, KeyError) as e:
+            share, problem = None, f"{type(e).__name__}: {e}".splitlines()[0]
+        problems = [p for p in self.all_gather(problem) if p is not None]
+        if problems:
+            self.log(f"Memory replicas of step {self.key[0]} could not be read whole ({problems[0]}); "
+                     "resuming from storage")
+            return None
+        return share
+
+
+def _read_choice(holders: list[Any], epoch: int, min_step: int, model: GPTConfig) -> tuple | None:
+    found = inventories(holders)
+    chosen = choose_set(found, epoch, min_step)
+    if chosen is None:
+        return None
+    key, world = chosen
+    where = {}
+    for holder, inventory in zip(holders, found, strict=True):
+        for replica in inventory:
+            if tuple(replica["key"]) == key and replica["world_size"] == world:
+                where.setdefault(replica["rank"], holder)
+    states = ray.get([where[r].state.remote(key, r) for r in range(world)], timeout=HOLDER_CALL_S)
+    cursors = [cursor for cursor, _, _, _ in states]
+    _, loop_state, extra, (num_units, seed) = states[0]
+    cursor: Cursor = merge_cursor(cursors, num_units, seed)
+    meta = CheckpointMeta(step=key[0], model_config=model, world_size=world, lease_epoch=epoch, cursor=cursor,
+                          loop_state=loop_state)
+    return found, key, world, meta, extra
+
+
+def retain_only(holders: list[Any], key: tuple[int, int] | None) -> None:
+    """Rank 0 of a new attempt, before any rank replicates: every holder that answers keeps only the
+    set resumed from (`ReplicaHolder.retain`)."""
+    refs = [h.retain.remote(key) for h in holders]
+    ray.wait(refs, num_returns=len(refs), timeout=HOLDER_CALL_S)

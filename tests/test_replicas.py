@@ -1,0 +1,137 @@
+"""The memory tier (raychat.run.replicas): where each rank's replica goes, which set a restore takes,
+how often auto replicates, and a real holder actor that keeps two steps and gives the state back bit
+for bit through the sharded reader's interface. A node lost mid-run is in tests/test_elastic.py."""
+
+import pytest
+import ray
+import torch
+from helpers import assert_bitwise_equal
+
+from raychat.checkpoint.meta import LoopState
+from raychat.data.cursor import RankCursor, merge_cursor
+from raychat.model.gpt import GPTConfig, build_model, gpt_config
+from raychat.optim.muon_adamw import build_optimizer
+from raychat.run.cadence import holder_bytes, replica_line
+from raychat.run.checkpointing import apply_share, read_share, state_pieces
+from raychat.run.replicas import (
+    MemoryRestore,
+    Replica,
+    ReplicaHolder,
+    choose_interval,
+    choose_set,
+    peer_nodes,
+    retain_only,
+)
+
+CPU = torch.device("cpu")
+
+
+def test_each_rank_is_mirrored_on_the_next_node_of_the_ring():
+    # ranks 0,1 on node b, 2 on a, 3 on c: the ring is a -> b -> c -> a
+    assert peer_nodes(["b", "b", "a", "c"]) == ["c", "c", "b", "a"]
+    assert peer_nodes(["a", "b"]) == ["b", "a"]
+    assert peer_nodes(["a", "a"]) == [None, None]  # one node: no copy survives it
+
+
+def _inventory(epoch, step, attempt, ranks, world):
+    return [{"epoch": epoch, "key": (step, attempt), "rank": r, "world_size": world, "pieces": []}
+            for r in ranks]
+
+
+def test_a_restore_takes_the_newest_whole_set_of_its_epoch_not_older_than_storage():
+    # holder A kept ranks 0 of steps 10 and 11, holder B rank 1 of step 10 only (11 was in flight)
+    a = _inventory(3, 10, 0, [0], 2) + _inventory(3, 11, 0, [0], 2)
+    b = _inventory(3, 10, 0, [1], 2)
+    assert choose_set([a, b], epoch=3, min_step=0) == ((10, 0), 2)
+    assert choose_set([a, b], epoch=3, min_step=11) is None  # storage is newer
+    assert choose_set([a, b], epoch=4, min_step=0) is None  # a superseded driver's replicas
+    assert choose_set([a], epoch=3, min_step=0) is None  # rank 1's holder is gone
+    # a later attempt's set of the same step at another world size is its own set
+    c = _inventory(3, 11, 1, [0, 1, 2], 3)
+    assert choose_set([a, b, c], epoch=3, min_step=0) == ((11, 1), 3)
+
+
+def test_auto_interval_keeps_the_copy_within_two_percent_and_the_sender_idle_half_the_time():
+    assert choose_interval(step_s=1.0, stall_s=0.01, send_s=0.5) == 1
+    assert choose_interval(step_s=1.0, stall_s=0.05, send_s=0.5) == 3  # 0.05 / (0.02 * 1) = 2.5 -> 3
+    # the send takes 3.5 steps, and the host stays idle half the time: 7
+    assert choose_interval(step_s=0.1, stall_s=0.001, send_s=0.35) == 7
+    # per node: its own ranks' and its peer's ranks' shares, two steps each
+    assert holder_bytes(share_bytes=100, ranks_per_node=2) == 800
+    line = replica_line(0, share_bytes=2**30)
+    assert "auto (--replicate-every 0)" in line and "4.00 GiB held per rank on each node" in line
+    assert "off (--replicate-every -1)" in replica_line(-1)
+
+
+def _model():
+    torch.manual_seed(0)
+    model = build_model(gpt_config(depth=2, aspect_ratio=32, head_dim=32, max_seq_len=16, vocab_size=200,
+                                   window_pattern="L"), "cpu")
+    optimizer = build_optimizer(model, embedding_lr=0.3, unembedding_lr=0.008, matrix_lr=0.02, scalar_lr=0.5,
+                                weight_decay=0.2)
+    return model, optimizer
+
+
+def _train(model, optimizer, steps):
+    for step in steps:
+        tokens = torch.randint(0, 200, (4, 17), generator=torch.Generator().manual_seed(step))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+
+
+def _replica(model, optimizer, step, epoch=7, attempt=0):
+    pieces, plain = state_pieces(model, optimizer, 1, 0)
+    # a host copy, as the replicator's snapshot is: the live tensors train on
+    pieces = [p._replace(tensor=p.tensor.clone()) for p in pieces]
+    return Replica(epoch=epoch, attempt=attempt, step=step, rank=0, world_size=1, pieces=pieces,
+                   cursor=RankCursor(0, 1, 5, [[1, 2, 0, 3]]), extra=plain, units=(9, 1234),
+                   loop_state=LoopState(step=step, min_val_bpb=2.5))
+
+
+@pytest.mark.ray
+def test_a_holder_keeps_two_steps_and_gives_the_state_back_bit_for_bit(ray_session):
+    model, optimizer = _model()
+    holder = ReplicaHolder.remote()
+    try:
+        _train(model, optimizer, range(2))
+        at_step_2 = _replica(model, optimizer, 2)
+        ray.get(holder.put.remote(at_step_2))
+        expected_model = {k: v.clone() for k, v in model.state_dict().items()}
+        expected_optim = optimizer.state_dict()
+        _train(model, optimizer, [2])
+        ray.get(holder.put.remote(_replica(model, optimizer, 3)))
+        _train(model, optimizer, [3])
+        held = ray.get(holder.put.remote(_replica(model, optimizer, 4)))
+        keys = sorted({tuple(r["key"]) for r in ray.get(holder.inventory.remote())})
+        assert keys == [(3, 0), (4, 0)]  # the newest two steps
+        one_step = sum(p.tensor.nbytes for p in _replica(model, optimizer, 4).pieces)
+        assert held == 2 * one_step
+
+        # A new attempt resumed from step 3: the holder keeps that set alone.
+        retain_only([holder], (3, 0))
+        assert {tuple(r["key"]) for r in ray.get(holder.inventory.remote())} == {(3, 0)}
+        ray.get(holder.put.remote(at_step_2))  # an older step, put back for the read below
+        retain_only([holder], (2, 0))
+
+        # The restore's own path: rank 0 chooses, every rank reads its share through the reader.
+        logs: list[str] = []
+        restore = MemoryRestore.agree([holder], epoch=7, min_step=0, model=GPTConfig(), rank=0,
+                                      all_gather=lambda obj: [obj], log=logs.append)
+        assert restore is not None and restore.meta.step == 2 and restore.meta.loop_state.min_val_bpb == 2.5
+        assert restore.meta.cursor == merge_cursor([RankCursor(0, 1, 5, [[1, 2, 0, 3]])], 9, 1234)
+        fresh_model, fresh_optimizer = _model()
+        share = restore.load(lambda reader: read_share(reader, fresh_model, fresh_optimizer, 1, 0))
+        apply_share(share, fresh_model, fresh_optimizer, 1, CPU)
+        assert_bitwise_equal(fresh_model.state_dict(), expected_model)
+        assert_bitwise_equal(fresh_optimizer.state_dict(), expected_optim)
+        assert not logs
+
+        # Another epoch's driver finds nothing to restore; a holder that is gone is a set lost.
+        assert MemoryRestore.agree([holder], epoch=8, min_step=0, model=GPTConfig(), rank=0,
+                                   all_gather=lambda obj: [obj], log=logs.append) is None
+        ray.kill(holder)
+        assert restore.load(lambda reader: read_share(reader, fresh_model, fresh_optimizer, 1, 0)) is None
+        assert logs and "resuming from storage" in logs[-1]
+    finally:
+        ray.kill(holder)
