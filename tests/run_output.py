@@ -34,7 +34,7 @@ RAYCHAT_LINES = [re.compile(p) for p in (
     r"^(Grew|Resized) to \d+ workers at step \d+ \(no steps redone\)$",
     # a save on request (raychat.run.loop.save_on_request)
     r"^Preemption notice: saved step \d+( \(no deadline given: training on\)|, (training on|waiting for the "
-    r"node to go) \(\d+s( before the node goes)?\))$",
+    r"node to go) \(\d+s( before the node goes)?\)|, the last: evaluating on)$",
     r"^Planned resize: saved step \d+, waiting for the new worker group$",
     # the loop: validation and CORE set-up, steps, evaluations, checkpoints
     r"^Validation: ",

@@ -278,3 +278,48 @@ def test_spot_notice_saves_before_the_node_goes(cluster, tiny_corpus, tmp_path):
     final = read_meta(latest_valid_checkpoint(Storage(storage).child("spot")))
     assert final.step == steps
     assert_epoch1_exactly_once(trace, data_dir, final.cursor)
+
+
+def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tiny_corpus, tmp_path):
+    """Two of three nodes go at once: the rank of the first had its replicas on its own node and on
+    the second (raychat.run.replicas), so no whole set survives in memory. The group on the one node
+    left resumes from the last checkpoint in storage, says so, and trains every document once."""
+    c, nodes = cluster
+    data_dir, _ = tiny_corpus
+    storage = str(tmp_path / "runs")
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    steps = 60
+    flags = tiny_flags(tiny_corpus, storage, "two_lost", "--num-workers", "1:3", "--cpus-per-worker", "1",
+                       "--placement-strategy", "SPREAD", "--total-batch-size", "1024", "--num-iterations",
+                       str(steps), "--eval-every", "-1", "--save-every", "10", "--replicate-every", "1",
+                       "--max-failures", "2")
+    client = JobSubmissionClient(f"http://{c.head_node.address_info['webui_url']}")
+    job = submit(client, entrypoint=" ".join(["python -m raychat.train", *flags]),
+                 runtime_env={"env_vars": {"RAYCHAT_TRACE_DIR": str(trace)}})
+    lost_at, status = None, None
+    give_up = time.monotonic() + 600
+    while time.monotonic() < give_up:
+        status = client.get_job_status(job)
+        if status in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+            break
+        if lost_at is None and last_traced_step(trace) >= 15:
+            lost_at = last_traced_step(trace)
+            for node in nodes[:2]:  # at once, no drain: a rack, or a zone's spot capacity, gone
+                c.remove_node(node, allow_graceful=False)
+        time.sleep(0.3)
+    del nodes[:2]
+    logs = client.get_job_logs(job)
+    for _ in range(2):  # the module's cluster for the tests after this one
+        nodes.append(c.add_node(**NODE, metrics_export_port=free_port()))
+    assert status == JobStatus.SUCCEEDED, logs[-4000:]
+    assert lost_at is not None, f"the run ended before the loss\n{logs[-3000:]}"
+
+    lost = re.search(r"^Lost 2 worker\(s\): continuing on 1 from step (\d+) \(checkpoint_(\d+)\); \d+ steps "
+                     r"redone$", logs, re.M)
+    assert lost and int(lost.group(1)) == int(lost.group(2)) and int(lost.group(1)) % 10 == 0, logs[-4000:]
+    assert world_sizes_by_attempt(trace) == [3, 1]
+    final = read_meta(latest_valid_checkpoint(Storage(storage).child("two_lost")))
+    assert final.step == steps
+    assert sorted(read_trace(trace)) == list(range(steps))
+    assert_epoch1_exactly_once(trace, data_dir, final.cursor)

@@ -192,7 +192,7 @@ def test_the_previous_versions_meta_json_still_loads():
     assert meta.corpus == CORPUS and meta.cursor == CURSOR
     assert meta.loop_state == META.loop_state and meta.metrics == META.metrics
     # Written again, it is a version-3 record that reads back the same.
-    assert json.loads(meta.to_json())["format_version"] == META_VERSION == 3
+    assert json.loads(meta.to_json())["format_version"] == META_VERSION == 4
     assert CheckpointMeta.from_json(meta.to_json()) == meta
     # Version 2's empty parts (a bench's or a test's checkpoint) are unknown parts now.
     bare = CheckpointMeta.from_json(json.dumps({"step": 1, "model_config": {}, "plan": {}, "user_config": {},

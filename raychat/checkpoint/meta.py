@@ -10,7 +10,9 @@ exist, and a record from a newer raychat is refused in one line instead of being
 
 Versions: 1 is the untyped dict raychat wrote before this record (the same keys without lineage or
 version); 2 added lineage and the version but kept every part a plain dict, empty when unknown;
-3 types every part, None when unknown. Versions 1 and 2 are read as they were written.
+3 types every part, None when unknown; 4 adds `loop_state.final_evaluated` (a checkpoint of the last
+step saved on a spot notice before the final evaluation says so). Versions 1 to 3 are read as they
+were written.
 """
 
 import json
@@ -25,7 +27,7 @@ from raychat.model.gpt import GPTConfig
 from raychat.records import Record, RecordError
 from raychat.scaling import Plan
 
-META_VERSION = 3
+META_VERSION = 4
 
 
 @dataclass
@@ -41,6 +43,9 @@ class LoopState(Record):
     restarts: int = 0  # worker-group restarts after failures
     resizes: int = 0  # planned resizes (the group grew or shrank with nothing lost)
     redone_steps: int = 0  # steps trained again after restarts (work lost since the last checkpoint)
+    # At the last step: the final evaluation, CORE and samples are done (and in this record). A spot
+    # notice's save of the last step comes before them: a restart from it evaluates, not trains.
+    final_evaluated: bool = False
 
 
 @dataclass

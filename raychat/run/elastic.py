@@ -372,10 +372,6 @@ class ElasticSignals:
         self.resize_requested, self.preempt_requested, self.checkpoint_due = resize > 0, preempt > 0, due > 0
         self.replicate_due = replicate > 0
 
-    @property
-    def save_now(self) -> bool:
-        return self.resize_requested or self.preempt_requested
-
     def _poll_resize(self) -> bool:
         """Rank 0: has the controller asked for a save before a planned resize? (never blocks)"""
         if self.coordinator is None:

@@ -177,7 +177,8 @@ def save_on_request(w: Worker, state: LoopState, signals: ElasticSignals) -> boo
     restarted group loses nothing, then wait to be stopped instead of training steps the next group
     would redo: before a resize until Ray restarts the group, after a notice's last save until the
     node's deadline. A notice's save made early (its deadline still far off: before an evaluation,
-    or before any save was timed) is followed by training and a later one. A notice without a
+    or before any save was timed) is followed by training and a later one; one of the last step
+    (before the final evaluation) by that evaluation. A notice without a
     deadline is saved at once and trained past (Ray restarts the group within two minutes). Ray
     stops the group; if it does not, train on. False: the weights were not finite, nothing saved."""
     if not save(w, state, wait=True):
@@ -189,7 +190,10 @@ def save_on_request(w: Worker, state: LoopState, signals: ElasticSignals) -> boo
         deadline, writer = notice_deadline(w), w.saver.writer
         left = max(0.0, deadline - time.time())
         saved = f"Preemption notice: saved step {state.step}"
-        if not deadline:
+        if state.step >= w.plan.num_iterations:  # nothing left to train: evaluate while the node lasts
+            signals.preempt_saved = True
+            w.log(f"{saved}, the last: evaluating on")
+        elif not deadline:
             signals.preempt_saved = True
             w.log(f"{saved} (no deadline given: training on)")
         elif left > notice_margin(writer.snapshot_seconds + writer.write_seconds, signals.step_s):
@@ -198,7 +202,7 @@ def save_on_request(w: Worker, state: LoopState, signals: ElasticSignals) -> boo
             signals.preempt_saved = True
             wait_s = left + NOTICE_WAIT_GRACE_S
             w.log(f"{saved}, waiting for the node to go ({left:.0f}s)")
-    if signals.resize_requested:
+    if signals.resize_requested and state.step < w.plan.num_iterations:  # (the last step answers it)
         if signals.coordinator is not None:
             ray.get(signals.coordinator.saved.remote(state.step))
         w.log(f"Planned resize: saved step {state.step}, waiting for the new worker group")
@@ -305,14 +309,26 @@ def _train(config: WorkerRunConfig) -> None:
     first_step = state.step
     # An attempt restarted after the final save (a node lost during the final report, a planned
     # resize at the last step) finds everything done: its final eval and CORE are in the checkpoint's
-    # loop state, and the checkpoint is not written again.
-    done_before = state.step >= num_iterations and w.saver.already_saved(state.step)
+    # loop state, and the checkpoint is not written again. One saved on a spot notice before the
+    # final evaluation evaluates again.
+    done_before = (state.step >= num_iterations and w.saver.already_saved(state.step)
+                   and state.final_evaluated)
     auto_save = w.master and cfg.save_every == 0
     cadence = SaveCadence(cfg.max_lost_minutes, first_step, w.log) if auto_save else None
     clock = w.publisher.clock  # the time ledger's causes outside steps (raychat.run.ledger)
     while True:
         last_step = state.step >= num_iterations  # the driver refuses a resume past the horizon
         metrics: dict[str, Any] = {}
+
+        # mirror the state in peer memory: every --replicate-every steps, or when rank 0's auto choice
+        # asked at the last step's all-reduce, and at the last step before its evaluation, which a
+        # node lost meanwhile then repeats without retraining (a copy to host memory, sent in the
+        # background)
+        if w.replicator is not None and state.step != first_step and (
+                last_step or (signals.replicate_due if cfg.replicate_every == 0 else
+                              w.replicator.due(state.step, first_step))):
+            with clock("checkpoint"):
+                replicate(w, state)
 
         with clock("eval"):
             # once in a while: evaluate the val bpb (all ranks participate)
@@ -329,6 +345,7 @@ def _train(config: WorkerRunConfig) -> None:
             if w.master and not done_before and (last_step or (state.step > 0 and _due(state.step,
                                                                                        cfg.sample_every))):
                 sample(w, state.step)
+            state.final_evaluated = last_step
 
         # save a checkpoint: on the cadence and at the end, never at the step this attempt resumed
         # from (it is in storage already). The writer works in the background; the cadence learns
@@ -343,14 +360,6 @@ def _train(config: WorkerRunConfig) -> None:
                 break
             if cadence is not None:
                 cadence.save_stalled(stall["seconds"])
-
-        # mirror the state in peer memory: every --replicate-every steps, or when rank 0's auto choice
-        # asked at the last step's all-reduce (a copy to host memory; sent in the background)
-        auto_replicate = cfg.replicate_every == 0
-        if w.replicator is not None and not last_step and (
-                signals.replicate_due if auto_replicate else w.replicator.due(state.step, first_step)):
-            with clock("checkpoint"):
-                replicate(w, state)
 
         # report to Ray Train (and Tune) whenever there is something to report: a barrier
         if metrics or last_step:
@@ -393,8 +402,9 @@ def _train(config: WorkerRunConfig) -> None:
             gc.collect()
         state.step += 1
 
-        # a planned resize or a preemption notice heard in this step's all-reduce: save now
-        if signals.save_now and state.step < num_iterations:
+        # a planned resize or a preemption notice heard in this step's all-reduce: save now (a notice
+        # also at the last step: before the final evaluation, which may outlast the notice)
+        if signals.preempt_requested or (signals.resize_requested and state.step < num_iterations):
             with clock("checkpoint"):
                 saved = save_on_request(w, state, signals)
             if not saved:
