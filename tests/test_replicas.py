@@ -20,6 +20,7 @@ from raychat.run.replicas import (
     choose_interval,
     choose_set,
     peer_nodes,
+    replicas_needed,
     retain_only,
 )
 
@@ -52,10 +53,15 @@ def test_a_restore_takes_the_newest_whole_set_of_its_epoch_not_older_than_storag
 
 
 def test_auto_interval_keeps_the_copy_within_two_percent_and_the_sender_idle_half_the_time():
-    assert choose_interval(step_s=1.0, stall_s=0.01, send_s=0.5) == 1
-    assert choose_interval(step_s=1.0, stall_s=0.05, send_s=0.5) == 3  # 0.05 / (0.02 * 1) = 2.5 -> 3
+    assert replicas_needed(step_s=1.0, stall_s=0.01, send_s=0.5) == pytest.approx(1.0)
+    assert replicas_needed(step_s=1.0, stall_s=0.05, send_s=0.5) == pytest.approx(2.5)  # 0.05 / (0.02 x 1)
     # the send takes 3.5 steps, and the host stays idle half the time: 7
-    assert choose_interval(step_s=0.1, stall_s=0.001, send_s=0.35) == 7
+    assert replicas_needed(step_s=0.1, stall_s=0.001, send_s=0.35) == pytest.approx(7.0)
+    assert choose_interval(2.5) == 3 and choose_interval(7.0) == 7 and choose_interval(0.3) == 1
+    # measurements that wobble around a boundary keep the interval (the log said 1, 2, 1, 2, ... before)
+    assert choose_interval(1.2, current=1) == 1 and choose_interval(0.9, current=2) == 2
+    assert choose_interval(1.6, current=1) == 2 and choose_interval(0.5, current=2) == 1
+    assert choose_interval(7.0, current=3) == 7
     # per node: its own ranks' and its peer's ranks' shares, two steps each
     assert holder_bytes(share_bytes=100, ranks_per_node=2) == 800
     line = replica_line(0, share_bytes=2**30)

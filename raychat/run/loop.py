@@ -264,10 +264,10 @@ def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-def _busy(cfg: TrainConfig, step: int, num_iterations: int) -> bool:
-    """Whether the loop evaluates, scores CORE, samples or ends at `step` (before training it)."""
-    return (step >= num_iterations or _due(step, cfg.eval_every) or core_due(cfg, step, False)
-            or _due(step, cfg.sample_every))
+def _evaluations_due(cfg: TrainConfig, step: int, last_step: bool) -> tuple[bool, bool, bool]:
+    """(val bpb, CORE, samples) due at `step`, before training it: every N steps and at the last."""
+    return (last_step or _due(step, cfg.eval_every), core_due(cfg, step, last_step),
+            last_step or (step > 0 and _due(step, cfg.sample_every)))
 
 
 def _save_due(cfg: TrainConfig, step: int, signals: ElasticSignals) -> bool:
@@ -331,19 +331,19 @@ def _train(config: WorkerRunConfig) -> None:
                 replicate(w, state)
 
         with clock("eval"):
+            bpb_due, core_is_due, sample_due = _evaluations_due(cfg, state.step, last_step)
             # once in a while: evaluate the val bpb (all ranks participate)
             if done_before:
                 metrics["val_bpb"] = state.val_bpb
                 if state.core_metric is not None:
                     metrics["core_metric"] = state.core_metric
-            elif last_step or _due(state.step, cfg.eval_every):
+            elif bpb_due:
                 metrics["val_bpb"] = evaluate(w, state)
             # once in a while: estimate the CORE metric (all ranks participate)
-            if core_due(cfg, state.step, last_step) and not done_before:
+            if core_is_due and not done_before:
                 metrics.update(evaluate_core(w, state))
             # once in a while: sample from the model (rank 0 only)
-            if w.master and not done_before and (last_step or (state.step > 0 and _due(state.step,
-                                                                                       cfg.sample_every))):
+            if w.master and not done_before and sample_due:
                 sample(w, state.step)
             state.final_evaluated = last_step
 
@@ -375,7 +375,9 @@ def _train(config: WorkerRunConfig) -> None:
         signals.save_s = writer.snapshot_seconds + writer.write_seconds if writer.write_seconds else None
         replicate_next = (w.master and w.replicator is not None and cfg.replicate_every == 0
                           and w.replicator.auto_due(state.step + 1, first_step, signals.step_s))
-        flags = signals.local_flags(save_next, busy_next=_busy(cfg, state.step + 1, num_iterations),
+        next_step = state.step + 1  # an evaluation or the last step next: a notice's save goes first
+        busy_next = any(_evaluations_due(cfg, next_step, next_step >= num_iterations))
+        flags = signals.local_flags(save_next, busy_next=busy_next,
                                     replicate_due=replicate_next)
         result = train_step(w, state.step, also_sum=flags)
         signals.update(result.summed)

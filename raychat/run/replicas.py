@@ -48,6 +48,7 @@ T = TypeVar("T")
 
 HOLDER_CALL_S = 30.0  # how long a rank or the restore waits on one holder before counting it lost
 RECENT_STEPS = 20  # auto: the step time is the median of this many recent steps
+CHANGE = 1.5  # auto: the interval changes when what it needs moves this far from it
 PROBE_STEPS = 2  # auto: the attempt's first replica, this many steps in (past the first step's warm-up)
 
 
@@ -143,13 +144,20 @@ def peer_nodes(node_of_rank: list[str]) -> list[str | None]:
     return [ring[(ring.index(node) + 1) % len(ring)] for node in node_of_rank]
 
 
-def choose_interval(step_s: float, stall_s: float, send_s: float) -> int:
-    """Auto --replicate-every: the shortest interval whose copies stall training at most
-    REPLICA_STALL_BUDGET of its time and whose background sends leave the host idle half of it, as
-    the checkpoint writer's (one in flight; a send competes with the loader for the CPUs)."""
+def replicas_needed(step_s: float, stall_s: float, send_s: float) -> float:
+    """Auto --replicate-every, unrounded: the fewest steps per replica whose copy stalls training at
+    most REPLICA_STALL_BUDGET of its time and whose background send leaves the host idle half of it,
+    as the checkpoint writer's (a send competes with the loader for the CPUs)."""
     step_s = max(step_s, 1e-6)
-    by_stall = math.ceil(stall_s / (REPLICA_STALL_BUDGET * step_s))
-    return max(1, by_stall, math.ceil(send_s / (WRITER_DUTY * step_s)))
+    return max(stall_s / REPLICA_STALL_BUDGET, send_s / WRITER_DUTY) / step_s
+
+
+def choose_interval(needed: float, current: int = 0) -> int:
+    """The interval for `needed` steps per replica: `current` while it is within a factor of
+    CHANGE of it (measurements wobble around a boundary), else the least whole number of steps."""
+    if current and needed / CHANGE <= current <= math.ceil(needed * CHANGE):
+        return current
+    return max(1, math.ceil(needed))
 
 
 class Replicator:
@@ -194,9 +202,8 @@ class Replicator:
 
     def auto_due(self, step: int, first_step: int, step_s: float) -> bool:
         """Rank 0, auto: whether the state before `step` is to be replicated, at the interval chosen
-        from the last replica's copy and send and the median of recent steps (`step_s`: the last one).
-        A new interval is taken when it is half or twice the current one (measurements wobble), and
-        logged."""
+        from the last replica's copy and send and the median of recent steps (`step_s`: the last one);
+        a change is logged."""
         if step_s > 0:
             self._steps.append(step_s)
         if self.last_step is None:
@@ -204,8 +211,9 @@ class Replicator:
         if not self.writer.done():  # one replica in flight: the next waits for it, never the loop
             return False
         median_s = statistics.median(self._steps)
-        every = choose_interval(median_s, self.writer.snapshot_seconds, self.writer.write_seconds)
-        if self.every == 0 or every >= 2 * self.every or 2 * every <= self.every:
+        needed = replicas_needed(median_s, self.writer.snapshot_seconds, self.writer.write_seconds)
+        every = choose_interval(needed, self.every)
+        if every != self.every:
             copy_s, send_s = self.writer.snapshot_seconds, self.writer.write_seconds
             self.log(f"Memory replicas: every {every} step(s) (copy {1000 * copy_s:.0f}ms = "
                      f"{100 * copy_s / (every * median_s):.1f}% of training, sent in {1000 * send_s:.0f}ms, "
