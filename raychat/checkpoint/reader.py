@@ -78,6 +78,10 @@ class CheckpointReader:
             return torch.empty(0, dtype=torch_dtype(entry["dtype"]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def read_many(self, wanted: list[tuple[str, int, int, tuple[int, ...]]]) -> list[torch.Tensor]:
+        """`read(name, start, numel, shape)` of each of `wanted`, in order (a resume's reads)."""
+        return [self.read(name, start, numel, shape=shape) for name, start, numel, shape in wanted]
+
     def _read_piece(self, file_name: str, key: str, start: int, numel: int) -> torch.Tensor:
         """Elements of one tensor piece from one rank file, transient faults retried."""
         file = self._files[file_name]

@@ -58,11 +58,15 @@ def read_share(reader: CheckpointReader, model: torch.nn.Module, optimizer: Shar
     if reader.extra.get("param_groups"):
         check_same_optimizer(reader.extra.get("optimizer"), optimizer.name, str(reader.directory))
     shapes = model_shapes(model)
-    parts = [reader.read(f"model/{name}", start, stop - start, shape=shapes[name])
-             for name, start, stop in model_ranges(shapes, world, rank)]
+    model_wanted = [(f"model/{name}", start, stop - start, shapes[name])
+                    for name, start, stop in model_ranges(shapes, world, rank)]
+    optim_wanted = optimizer.wanted_ranges(reader.extra.get("stateful", []))
+    read = reader.read_many(model_wanted + [(f"optim/{name}/{key}", start, numel, shape)
+                                            for name, key, shape, start, numel in optim_wanted])
+    parts, optim_parts = read[:len(model_wanted)], read[len(model_wanted):]
     flat = torch.cat(parts) if parts else torch.empty(0)
-    optim = {(name, key, start): reader.read(f"optim/{name}/{key}", start, numel, shape=shape)
-             for name, key, shape, start, numel in optimizer.wanted_ranges(reader.extra.get("stateful", []))}
+    optim = {(name, key, start): part
+             for (name, key, _, start, _), part in zip(optim_wanted, optim_parts, strict=True)}
     return Share(flat, optim, reader.extra)
 
 

@@ -113,14 +113,14 @@ class ReplicaHolder:
         r = self.replicas[rank][tuple(key)]
         return r.cursor, r.loop_state, r.extra, r.units
 
-    def read(self, key: tuple[int, int], rank: int, name: str, start: int, offset: int, numel: int
-             ) -> torch.Tensor:
-        """Elements [offset, offset + numel) of the piece of `name` starting at `start` (a copy: a view
-        would send its whole buffer)."""
-        for piece in self.replicas[rank][tuple(key)].pieces:
-            if piece.name == name and piece.start == start:
-                return piece.tensor[offset:offset + numel].clone()
-        raise KeyError(f"{name}@{start} of rank {rank}")
+    def read(self, key: tuple[int, int], parts: list[tuple[int, str, int, int, int]]) -> list[torch.Tensor]:
+        """For each (rank, name, start, offset, numel): elements [offset, offset + numel) of that rank's
+        piece of `name` starting at `start` (copies: a view would send its whole buffer)."""
+        out = []
+        for rank, name, start, offset, numel in parts:
+            pieces = {(p.name, p.start): p for p in self.replicas[rank][tuple(key)].pieces}
+            out.append(pieces[(name, start)].tensor[offset:offset + numel].clone())
+        return out
 
     def nbytes(self) -> int:
         return sum(r.nbytes for kept in self.replicas.values() for r in kept.values())
@@ -256,26 +256,39 @@ class MemoryReader:
                                                            "pieces": {}})
                     entry["pieces"].setdefault(start, (numel, holder, replica["rank"]))
 
-    def read(self, name: str, start: int = 0, numel: int | None = None,
-             shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        entry = self.tensors.get(name)
-        if entry is None or (shape is not None and entry["shape"] != tuple(shape)):
-            raise ReplicaLost(f"the replicas have no {name} of shape {shape}")
-        numel = math.prod(entry["shape"]) - start if numel is None else numel
-        stop, refs, covered = start + numel, [], start
-        for piece_start in sorted(entry["pieces"]):
-            piece_numel, holder, rank = entry["pieces"][piece_start]
-            low, high = max(covered, piece_start), min(stop, piece_start + piece_numel)
-            if low < high and low == covered:
-                offset = low - piece_start
-                refs.append(holder.read.remote(self.key, rank, name, piece_start, offset, high - low))
-                covered = high
-        if covered != stop:
-            raise ReplicaLost(f"the replicas do not cover elements {covered}..{stop} of {name}")
-        if not refs:
-            return torch.empty(0, dtype=entry["dtype"])
-        parts = ray.get(refs, timeout=HOLDER_CALL_S)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def read_many(self, wanted: list[tuple[str, int, int, tuple[int, ...]]]) -> list[torch.Tensor]:
+        """Elements [start, start + numel) of each (name, start, numel, shape) of `wanted`, flat, in
+        order: one call to each holder that keeps a part of them (a resume reads hundreds of ranges,
+        and an actor call is milliseconds on a loaded host)."""
+        spans: list[list[tuple[Any, tuple]]] = []  # for each wanted range, its parts: (holder, part)
+        for name, start, numel, shape in wanted:
+            entry = self.tensors.get(name)
+            if entry is None or entry["shape"] != tuple(shape):
+                raise ReplicaLost(f"the replicas have no {name} of shape {tuple(shape)}")
+            stop, covered, parts = start + numel, start, []
+            for piece_start in sorted(entry["pieces"]):
+                piece_numel, holder, rank = entry["pieces"][piece_start]
+                low, high = max(covered, piece_start), min(stop, piece_start + piece_numel)
+                if low < high and low == covered:
+                    parts.append((holder, (rank, name, piece_start, low - piece_start, high - low)))
+                    covered = high
+            if covered != stop:
+                raise ReplicaLost(f"the replicas do not cover elements {covered}..{stop} of {name}")
+            spans.append(parts)
+        by_holder: dict[Any, list[tuple]] = {}
+        for parts in spans:
+            for holder, part in parts:
+                by_holder.setdefault(holder, []).append(part)
+        holders = list(by_holder)
+        answers = ray.get([h.read.remote(self.key, by_holder[h]) for h in holders], timeout=HOLDER_CALL_S)
+        read = {h: iter(answer) for h, answer in zip(holders, answers, strict=True)}
+        out = []
+        for (name, _, _, _), parts in zip(wanted, spans, strict=True):
+            tensors = [next(read[holder]) for holder, _ in parts]
+            dtype = self.tensors[name]["dtype"]
+            out.append(torch.cat(tensors) if len(tensors) > 1 else tensors[0] if tensors else
+                       torch.empty(0, dtype=dtype))
+        return out
 
 
 class ReplicaLost(Exception):

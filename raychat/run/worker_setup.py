@@ -304,10 +304,21 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
                         f"{fence.epoch}): this worker group stops without training")
     index: CorpusIndex = ray.get(config.corpus_index)   # the driver's, from the footers: no listing here
     confirm_identity(index, where)
+    # Where the restore's time goes (the attempt's start record; raychat.report shows the ledger).
+    phases: dict[str, float] = {}
+    lap = [time.time()]
+
+    def done(phase: str) -> None:
+        now = time.time()
+        phases[phase], lap[0] = round(now - lap[0], 3), now
+
+    done("prepare")
     trace_dir = os.environ.get("RAYCHAT_TRACE_DIR")
     node_of_rank = me.gather(ray.get_runtime_context().get_node_id())
     earlier_holders, holders = _replica_holders(config, node_of_rank, me)
+    done("holders")
     restore = _agree_on_restore(config, run, tokenizer, me)
+    done("choose_checkpoint")
     # Peer memory first when it holds a whole set at least as new as the durable checkpoint: nothing
     # is read from storage then (raychat.run.replicas).
     durable_step = restore.meta.step if restore.meta is not None else 0
@@ -315,10 +326,13 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
                                  me.rank, me.gather, me.log) if earlier_holders else None
     start_loader = _loader_starter(config, cfg, index, me, trace_dir)
     loader_meta = memory.meta if memory is not None else restore.meta
+    done("choose_replicas")
     loader = start_loader(loader_meta)
+    done("start_loader")
 
     orig_model, model, optimizer, precision = _build_model_and_optimizer(cfg, plan, me.device, use_compile)
     state = LoopState()
+    done("build_model")
 
     def read(reader: Any) -> Share:
         return read_share(reader, orig_model, optimizer, me.world_size, me.rank)
@@ -330,8 +344,10 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     # The saver's lineage goes on from the newest durable checkpoint whichever tier the state came from.
     resumed_from = restore.checkpoint.name if share is not None and restore.checkpoint is not None else None
     resumed_label = (source.checkpoint if source is memory else resumed_from) if share is not None else None
+    done("read_state")
     if earlier_holders and me.rank == 0:  # they keep the set resumed from, until this attempt has its own
         retain_only(earlier_holders, memory.key if source is memory else None)
+    done("retain_replicas")
     if share is not None:
         if source.meta is not loader_meta:  # fell back from memory or to an older checkpoint: its cursor
             loader.close()
@@ -348,8 +364,10 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
         origin = "Starting from nanochat's weights at step 0"
     else:
         origin = "Starting at step 0 (no checkpoint)"
+    done("apply_state")
     signals, times = _start_attempt(config, state, resumed_label, me)
     replicator = _replicator(config, holders, node_of_rank, me.gather(times.pop("attempt", 0))[0], me)
+    done("start_attempt")
 
     slices = micro_slices(rank_rows(plan.rows_per_step, me.world_size, me.rank), plan.device_batch_size)
     peak, peak_source = peak_flops(me.device)
@@ -369,7 +387,8 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
         attempt=me.gather(f"{time.time():.3f}")[0] if trace_dir else "", replicator=replicator,
     )
     # What this attempt's restore read from checkpoint files in storage, all ranks (0 from peer memory).
-    times.update(launched=config.launched, setup_started=setup_started,
+    done("components")
+    times.update(launched=config.launched, setup_started=setup_started, setup_phases=phases,
                  storage_read_bytes=sum(me.gather(io_count.read)))
     worker.publisher = _publisher(worker, state, run, precision, peak_source, resumed_label, times)
     # The attempt's one line (Ray's own narration of it is silenced: raychat.run.quiet).
