@@ -156,7 +156,8 @@ def measure_memory_tier(model: torch.nn.Module, optimizer, step_s: float, step) 
     what the holders keep, and a restore through the sharded reader's interface. Both holders are on
     this node here: the network transfer a peer node adds is estimated for d24 from --network-gbps."""
     holders = [ReplicaHolder.remote(), ReplicaHolder.remote()]
-    replicator = Replicator(holders[0], holders[1], epoch=1, attempt=0, log=lambda _: None, every=1)
+    replicator = Replicator(holders[0], holders[1], epoch=1, attempt=0, log=lambda _: None, warn=print,
+                            every=1)
     try:
         ray.get([h.nbytes.remote() for h in holders])  # the holders' processes are up
         stalls, sends = [], []

@@ -18,7 +18,7 @@ RAYCHAT_LINES = [re.compile(p) for p in (
     r"^  \S",  # the plan's rows and the summary's
     r"^Preset \w+: ",
     r"^Checkpoints: ",
-    r"^Memory replicas: ",  # the driver's plan line, and the loop's auto interval
+    r"^Memory replicas: ",  # the driver's plan line, the loop's auto interval, a restore's choice
     r"^corpus: ",
     # the driver, at Ray's start: the one line in place of Ray's own (raychat.run.driver.ray_line)
     r"^Ray: (started a local instance|joined the cluster at \S+)(; dashboard http\S+( \(it asks for the "
@@ -34,7 +34,7 @@ RAYCHAT_LINES = [re.compile(p) for p in (
     r"^(Grew|Resized) to \d+ workers at step \d+ \(no steps redone\)$",
     # a save on request (raychat.run.loop.save_on_request)
     r"^Preemption notice: saved step \d+( \(no deadline given: training on\)|, (training on|waiting for the "
-    r"node to go) \(\d+s( before the node goes)?\)|, the last: evaluating on)$",
+    r"node to go) \(\d+s( before the node goes)?\))$",
     r"^Planned resize: saved step \d+, waiting for the new worker group$",
     # the loop: validation and CORE set-up, steps, evaluations, checkpoints
     r"^Validation: ",

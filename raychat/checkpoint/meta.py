@@ -10,9 +10,9 @@ exist, and a record from a newer raychat is refused in one line instead of being
 
 Versions: 1 is the untyped dict raychat wrote before this record (the same keys without lineage or
 version); 2 added lineage and the version but kept every part a plain dict, empty when unknown;
-3 types every part, None when unknown; 4 adds `loop_state.final_evaluated` (a checkpoint of the last
-step saved on a spot notice before the final evaluation says so). Versions 1 to 3 are read as they
-were written.
+3 types every part, None when unknown; 4 adds `loop_state.final_evaluated` (the state of the last step
+taken before its evaluation, as the memory tier's last replica is, says so). Versions 1 to 3 are read
+as they were written.
 """
 
 import json
@@ -43,8 +43,8 @@ class LoopState(Record):
     restarts: int = 0  # worker-group restarts after failures
     resizes: int = 0  # planned resizes (the group grew or shrank with nothing lost)
     redone_steps: int = 0  # steps trained again after restarts (work lost since the last checkpoint)
-    # At the last step: the final evaluation, CORE and samples are done (and in this record). A spot
-    # notice's save of the last step comes before them: a restart from it evaluates, not trains.
+    # At the last step: the final evaluation, CORE and samples are done (and in this record). The
+    # memory tier's replica of the last step comes before them: a restart from it evaluates again.
     final_evaluated: bool = False
 
 

@@ -43,7 +43,7 @@ class AsyncCheckpointWriter:
     def __init__(self):
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
-        self._directory: Storage | None = None
+        self._directory: Storage | str | None = None
         self._error: BaseException | None = None
         self.snapshot_seconds = 0.0  # of the last submit: time the caller was blocked copying state
         self.write_seconds = 0.0  # of the last save: time the background thread spent writing
@@ -57,8 +57,10 @@ class AsyncCheckpointWriter:
         buffer.copy_(tensor.detach(), non_blocking=buffer.is_pinned())
         return buffer
 
-    def submit(self, directory: Storage, pieces: list[Piece], write: Callable[[list[Piece]], None]) -> None:
-        """Snapshot `pieces` now and run `write(snapshot)` in the background."""
+    def submit(self, directory: Storage | str, pieces: list[Piece], write: Callable[[list[Piece]], None]
+               ) -> None:
+        """Snapshot `pieces` now and run `write(snapshot)` in the background; `directory` names where
+        it goes, for errors."""
         self.wait()
         start = time.perf_counter()
         snapshot = [piece._replace(tensor=self._host_copy(piece.tensor, (piece.name, piece.start)))
@@ -94,7 +96,7 @@ class AsyncCheckpointWriter:
         """True when no save is in flight (the last one finished, well or not: wait() tells)."""
         return self._thread is None or not self._thread.is_alive()
 
-    def wait(self) -> Storage | None:
+    def wait(self) -> Storage | str | None:
         """Block until the save in flight (if any) is written; return its directory.
 
         Raises RaychatError if the background write failed for a reason the user must fix (disk

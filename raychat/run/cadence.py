@@ -121,8 +121,9 @@ def replica_line(replicate_every: int, share_bytes: int | None = None) -> str:
             f"copy, for a lost worker process)")
     if share_bytes is not None:
         line += (f"; host memory: {holder_bytes(share_bytes, 1) / 2**30:,.2f} GiB held per rank on each node "
-                 f"(two steps, its own ranks' and a peer's), beside a {share_bytes / 2**30:,.2f} GiB copy "
-                 f"buffer per rank")
+                 f"(two steps, its own ranks' and a peer's; half as much again while a replica arrives), "
+                 f"beside a {share_bytes / 2**30:,.2f} GiB copy buffer per rank and its send through Ray's "
+                 f"object store")
     return line
 
 

@@ -177,8 +177,7 @@ def save_on_request(w: Worker, state: LoopState, signals: ElasticSignals) -> boo
     restarted group loses nothing, then wait to be stopped instead of training steps the next group
     would redo: before a resize until Ray restarts the group, after a notice's last save until the
     node's deadline. A notice's save made early (its deadline still far off: before an evaluation,
-    or before any save was timed) is followed by training and a later one; one of the last step
-    (before the final evaluation) by that evaluation. A notice without a
+    or before any save was timed) is followed by training and a later one. A notice without a
     deadline is saved at once and trained past (Ray restarts the group within two minutes). Ray
     stops the group; if it does not, train on. False: the weights were not finite, nothing saved."""
     if not save(w, state, wait=True):
@@ -190,10 +189,7 @@ def save_on_request(w: Worker, state: LoopState, signals: ElasticSignals) -> boo
         deadline, writer = notice_deadline(w), w.saver.writer
         left = max(0.0, deadline - time.time())
         saved = f"Preemption notice: saved step {state.step}"
-        if state.step >= w.plan.num_iterations:  # nothing left to train: evaluate while the node lasts
-            signals.preempt_saved = True
-            w.log(f"{saved}, the last: evaluating on")
-        elif not deadline:
+        if not deadline:
             signals.preempt_saved = True
             w.log(f"{saved} (no deadline given: training on)")
         elif left > notice_margin(writer.snapshot_seconds + writer.write_seconds, signals.step_s):
@@ -202,7 +198,7 @@ def save_on_request(w: Worker, state: LoopState, signals: ElasticSignals) -> boo
             signals.preempt_saved = True
             wait_s = left + NOTICE_WAIT_GRACE_S
             w.log(f"{saved}, waiting for the node to go ({left:.0f}s)")
-    if signals.resize_requested and state.step < w.plan.num_iterations:  # (the last step answers it)
+    if signals.resize_requested:
         if signals.coordinator is not None:
             ray.get(signals.coordinator.saved.remote(state.step))
         w.log(f"Planned resize: saved step {state.step}, waiting for the new worker group")
@@ -309,8 +305,8 @@ def _train(config: WorkerRunConfig) -> None:
     first_step = state.step
     # An attempt restarted after the final save (a node lost during the final report, a planned
     # resize at the last step) finds everything done: its final eval and CORE are in the checkpoint's
-    # loop state, and the checkpoint is not written again. One saved on a spot notice before the
-    # final evaluation evaluates again.
+    # loop state, and the checkpoint is not written again. The memory tier's replica of the last
+    # step is taken before the final evaluation: an attempt resumed from it evaluates again.
     done_before = (state.step >= num_iterations and w.saver.already_saved(state.step)
                    and state.final_evaluated)
     auto_save = w.master and cfg.save_every == 0
@@ -404,9 +400,10 @@ def _train(config: WorkerRunConfig) -> None:
             gc.collect()
         state.step += 1
 
-        # a planned resize or a preemption notice heard in this step's all-reduce: save now (a notice
-        # also at the last step: before the final evaluation, which may outlast the notice)
-        if signals.preempt_requested or (signals.resize_requested and state.step < num_iterations):
+        # a planned resize or a preemption notice heard in this step's all-reduce: save now (at the
+        # last step the final save follows; its evaluation may outlast a notice: the memory tier's
+        # replica of the last step, taken before it, is what a restart then resumes from)
+        if (signals.preempt_requested or signals.resize_requested) and state.step < num_iterations:
             with clock("checkpoint"):
                 saved = save_on_request(w, state, signals)
             if not saved:

@@ -127,8 +127,16 @@ class ReplicaHolder:
 
 
 def start_holders(existing: dict[str, Any], node_ids: list[str]) -> dict[str, Any]:
-    """A holder on each of `node_ids` that has none yet (called inside the coordinator, which owns them)."""
+    """A holder on each of `node_ids` that has none, or whose holder died (killed for memory, say)
+    while the node lives on (called inside the coordinator, which owns them)."""
     for node_id in node_ids:
+        if node_id in existing:
+            try:
+                ray.get(existing[node_id].nbytes.remote(), timeout=HOLDER_CALL_S)
+            except ray.exceptions.RayActorError:
+                del existing[node_id]
+            except ray.exceptions.GetTimeoutError:
+                pass  # alive and busy (a put of a large replica): it keeps what it has
         if node_id not in existing:
             on_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
             existing[node_id] = ReplicaHolder.options(num_cpus=0, scheduling_strategy=on_node).remote()
@@ -164,36 +172,37 @@ class Replicator:
     """A rank's side: copy its pieces at a replication step, send them in the background."""
 
     def __init__(self, own: Any, peer: Any | None, epoch: int, attempt: int, log: Callable[[str], None],
-                 every: int = 0):
+                 warn: Callable[[str], None], every: int = 0):
         self.holders = [own] if peer is None else [own, peer]
-        self.epoch, self.attempt, self.log = epoch, attempt, log
+        self.epoch, self.attempt = epoch, attempt
+        self.log, self.warn = log, warn  # rank 0's lines; any rank's warnings
         self.every = every  # 0: auto, chosen by rank 0 from the first replica's costs
         self.writer = AsyncCheckpointWriter()
         self.last_step: int | None = None
-        self.failed: str | None = None  # the last send's error: a lost holder is reported, never raised
-        self.held_bytes = 0  # what the last holder sent to keeps, after the last send
+        self.failed: str | None = None  # the last send's fault: a lost holder is said, never raised
         self._steps: deque[float] = deque(maxlen=RECENT_STEPS)
 
     def replicate(self, replica: Replica) -> None:
         """Copy `replica`'s pieces now (the stall); put and send them in a background thread. A state
-        that is not finite is never sent (its holders keep the last good one, as storage does); a
-        holder that did not take the last one is said once, and the loop goes on."""
+        that is not finite is never sent (its holders keep the last good one, as storage does). A
+        replica a holder did not take (its node going, Ray's object store full) is a warning: the
+        loop goes on, with the durable checkpoints."""
+        self.writer.wait()  # the last send, whose fault is said before this one's copy
         if self.failed is not None:
-            self.log(f"Memory replicas: step {self.last_step} was not kept ({self.failed})")
+            self.warn(f"memory replica of step {self.last_step} not kept: {self.failed}")
             self.failed = None
 
         def send(snapshot: list[Piece]) -> None:
-            if not all(bool(p.tensor.isfinite().all()) for p in snapshot if p.tensor.is_floating_point()):
-                self.failed = "the weights or optimizer state are not finite"
-                return
-            ref = ray.put(dataclasses.replace(replica, pieces=snapshot))
             try:
-                held = ray.get([h.put.remote(ref) for h in self.holders], timeout=HOLDER_CALL_S)
-                self.held_bytes, self.failed = held[-1], None
-            except (ray.exceptions.RayError, TimeoutError) as e:  # a holder's node is going: the group too
+                if not all(bool(p.tensor.isfinite().all()) for p in snapshot if p.tensor.is_floating_point()):
+                    self.failed = "the weights or optimizer state are not finite"
+                    return
+                ref = ray.put(dataclasses.replace(replica, pieces=snapshot))
+                ray.get([h.put.remote(ref) for h in self.holders], timeout=HOLDER_CALL_S)
+            except Exception as e:  # noqa: BLE001 -- any fault of a copy is said, none ends training
                 self.failed = f"{type(e).__name__}: {e}".splitlines()[0]
 
-        self.writer.submit(None, replica.pieces, send)
+        self.writer.submit("memory replicas", replica.pieces, send)
         self.last_step = replica.step
 
     def due(self, step: int, first_step: int) -> bool:
@@ -242,12 +251,12 @@ class MemoryReader:
     """One replica set, read by byte range like a checkpoint (raychat.checkpoint.reader's interface
     for `read_share`): each read asks the holders that keep the pieces it spans."""
 
-    def __init__(self, holders: list[Any], inventories: list[list[dict]], key: tuple[int, int], world: int,
+    def __init__(self, holders: list[Any], found: list[list[dict]], key: tuple[int, int], world: int,
                  extra: dict):
         self.directory = f"peer memory (step {key[0]})"
         self.key, self.extra = key, extra
         self.tensors: dict[str, dict] = {}
-        for holder, inventory in zip(holders, inventories, strict=True):
+        for holder, inventory in zip(holders, found, strict=True):
             for replica in inventory:
                 if tuple(replica["key"]) != key or replica["world_size"] != world:
                     continue
@@ -327,7 +336,7 @@ class MemoryRestore:
         choice = None
         if rank == 0 and holders:
             try:
-                choice = _read_choice(holders, epoch, min_step, model)
+                choice = _read_choice(holders, epoch, min_step, model, log)
             except (ray.exceptions.RayError, TimeoutError, KeyError) as e:
                 log(f"Memory replicas: could not be read ({type(e).__name__}); resuming from storage")
         choice = all_gather(choice)[0]
@@ -351,10 +360,14 @@ class MemoryRestore:
         return share
 
 
-def _read_choice(holders: list[Any], epoch: int, min_step: int, model: GPTConfig) -> tuple | None:
+def _read_choice(holders: list[Any], epoch: int, min_step: int, model: GPTConfig,
+                 log: Callable[[str], None]) -> tuple | None:
     found = inventories(holders)
     chosen = choose_set(found, epoch, min_step)
     if chosen is None:
+        if any(r["epoch"] == epoch and r["key"][0] >= min_step for inventory in found for r in inventory):
+            log("Memory replicas: no whole set as new as the checkpoint survives (some rank's copies were "
+                "all on nodes that are gone): resuming from storage")
         return None
     key, world = chosen
     where = {}

@@ -99,7 +99,7 @@ class Worker:
     trace_dir: str | None = None
     attempt: str = ""  # one id per start of the group (rank 0's): a trace tells redone steps apart
     val_rows: torch.Tensor | None = None  # this rank's share of the fixed validation rows, built at first use
-    replicator: Replicator | None = None  # the memory tier's sender (None: --replicate-every -1 or one node)
+    replicator: Replicator | None = None  # the memory tier's sender (None: --replicate-every -1)
 
     @property
     def master(self) -> bool:
@@ -197,8 +197,11 @@ def _replicator(config: WorkerRunConfig, holders: dict[str, Any], node_of_rank: 
     if every < 0:
         return None
     peer = peer_nodes(node_of_rank)[me.rank]
+    def warn(message: str) -> None:  # from any rank: the peer holder of rank 3 is as much the run's
+        print(f"raychat: warning: rank {me.rank}: {message}", flush=True)
+
     return Replicator(holders[node_of_rank[me.rank]], holders[peer] if peer is not None else None,
-                      config.lease_epoch, attempt, me.log, every)
+                      config.lease_epoch, attempt, me.log, warn, every)
 
 
 def _loader_starter(config: WorkerRunConfig, cfg: TrainConfig, index: CorpusIndex, me: _Rank,
@@ -322,6 +325,8 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     # Peer memory first when it holds a whole set at least as new as the durable checkpoint: nothing
     # is read from storage then (raychat.run.replicas).
     durable_step = restore.meta.step if restore.meta is not None else 0
+    if durable_step >= plan.num_iterations:  # the final checkpoint holds the final evaluation: it wins
+        durable_step += 1
     memory = MemoryRestore.agree(earlier_holders, config.lease_epoch, durable_step, plan.model,
                                  me.rank, me.gather, me.log) if earlier_holders else None
     start_loader = _loader_starter(config, cfg, index, me, trace_dir)
