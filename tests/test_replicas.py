@@ -57,6 +57,8 @@ def test_auto_interval_keeps_the_copy_within_two_percent_and_the_sender_idle_hal
     assert replicas_needed(step_s=1.0, stall_s=0.05, send_s=0.5) == pytest.approx(2.5)  # 0.05 / (0.02 x 1)
     # the send takes 3.5 steps, and the host stays idle half the time: 7
     assert replicas_needed(step_s=0.1, stall_s=0.001, send_s=0.35) == pytest.approx(7.0)
+    # training on the host's CPUs: the send is taken from it, copy and send together keep to 2%
+    assert replicas_needed(step_s=1.0, stall_s=0.01, send_s=0.05, sends_compete=True) == pytest.approx(3.0)
     assert choose_interval(2.5) == 3 and choose_interval(7.0) == 7 and choose_interval(0.3) == 1
     # measurements that wobble around a boundary keep the interval (the log said 1, 2, 1, 2, ... before)
     assert choose_interval(1.2, current=1) == 1 and choose_interval(0.9, current=2) == 2

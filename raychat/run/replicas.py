@@ -152,11 +152,14 @@ def peer_nodes(node_of_rank: list[str]) -> list[str | None]:
     return [ring[(ring.index(node) + 1) % len(ring)] for node in node_of_rank]
 
 
-def replicas_needed(step_s: float, stall_s: float, send_s: float) -> float:
+def replicas_needed(step_s: float, stall_s: float, send_s: float, sends_compete: bool = False) -> float:
     """Auto --replicate-every, unrounded: the fewest steps per replica whose copy stalls training at
     most REPLICA_STALL_BUDGET of its time and whose background send leaves the host idle half of it,
-    as the checkpoint writer's (a send competes with the loader for the CPUs)."""
+    as the checkpoint writer's. Where training itself runs on the host's CPUs (`sends_compete`), the
+    send's CPU time is taken from training: copy and send together keep to the budget."""
     step_s = max(step_s, 1e-6)
+    if sends_compete:
+        return (stall_s + send_s) / REPLICA_STALL_BUDGET / step_s
     return max(stall_s / REPLICA_STALL_BUDGET, send_s / WRITER_DUTY) / step_s
 
 
@@ -172,11 +175,12 @@ class Replicator:
     """A rank's side: copy its pieces at a replication step, send them in the background."""
 
     def __init__(self, own: Any, peer: Any | None, epoch: int, attempt: int, log: Callable[[str], None],
-                 warn: Callable[[str], None], every: int = 0):
+                 warn: Callable[[str], None], every: int = 0, sends_compete: bool = False):
         self.holders = [own] if peer is None else [own, peer]
         self.epoch, self.attempt = epoch, attempt
         self.log, self.warn = log, warn  # rank 0's lines; any rank's warnings
         self.every = every  # 0: auto, chosen by rank 0 from the first replica's costs
+        self.sends_compete = sends_compete  # training on the CPUs the send uses (replicas_needed)
         self.writer = AsyncCheckpointWriter()
         self.last_step: int | None = None
         self.failed: str | None = None  # the last send's fault: a lost holder is said, never raised
@@ -220,7 +224,8 @@ class Replicator:
         if not self.writer.done():  # one replica in flight: the next waits for it, never the loop
             return False
         median_s = statistics.median(self._steps)
-        needed = replicas_needed(median_s, self.writer.snapshot_seconds, self.writer.write_seconds)
+        needed = replicas_needed(median_s, self.writer.snapshot_seconds, self.writer.write_seconds,
+                                 self.sends_compete)
         every = choose_interval(needed, self.every)
         if every != self.every:
             copy_s, send_s = self.writer.snapshot_seconds, self.writer.write_seconds

@@ -201,7 +201,7 @@ def _replicator(config: WorkerRunConfig, holders: dict[str, Any], node_of_rank: 
         print(f"raychat: warning: rank {me.rank}: {message}", flush=True)
 
     return Replicator(holders[node_of_rank[me.rank]], holders[peer] if peer is not None else None,
-                      config.lease_epoch, attempt, me.log, warn, every)
+                      config.lease_epoch, attempt, me.log, warn, every, sends_compete=me.device.type == "cpu")
 
 
 def _loader_starter(config: WorkerRunConfig, cfg: TrainConfig, index: CorpusIndex, me: _Rank,
