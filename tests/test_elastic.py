@@ -287,6 +287,8 @@ def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tin
     once (a group of one on a loaded 2-core host can outlast Ray Train's 5 s start timeout); the
     next group resumes from the last checkpoint in storage, says so, and trains every document once."""
     c, nodes = cluster
+    while len(nodes) < 3:  # the spot test before took one away
+        nodes.append(c.add_node(**NODE, metrics_export_port=free_port()))
     data_dir, _ = tiny_corpus
     storage = str(tmp_path / "runs")
     trace = tmp_path / "trace"
