@@ -15,10 +15,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import pytest
 from core_bundle import write_word_bundle
 from helpers import hub_files
+from reused_processes import Commands, Ranks
 
 from bench.multinode import stop_processes_under
 
@@ -184,10 +187,38 @@ def tiny_corpus(tmp_path_factory):
     return root / "data", root / "tokenizer"
 
 
+@pytest.fixture(scope="session")
+def served_files(tmp_path_factory) -> Mapping[str, bytes]:
+    """What the local Hub (helpers.HubServer) serves: ClimbMix-named shards (helpers.hub_files), made
+    once for every module that serves them, read-only so that no test changes what the next one gets."""
+    return MappingProxyType(hub_files(tmp_path_factory.mktemp("served")))
+
+
 @pytest.fixture(scope="module")
-def served_files(tmp_path_factory) -> dict[str, bytes]:
-    """What the local Hub (helpers.HubServer) serves: ClimbMix-named shards (helpers.hub_files)."""
-    return hub_files(tmp_path_factory.mktemp("served"))
+def commands(tmp_path_factory):
+    """`commands.run(module, *args)`: `python -m module args` as a subprocess runs it, all of a test
+    module's commands in one reused interpreter (tests/reused_processes.py)."""
+    runner = Commands(tmp_path_factory.mktemp("commands"))
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="session")
+def ranks(raychat_home):
+    """`ranks.run(fn, world, *args)`: mp.spawn's fn(rank, *args) in `world` processes at once, on
+    processes reused by every test that runs a gloo group (tests/reused_processes.py), started in
+    the session's environment."""
+    pool = Ranks()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ranks_started_early(request):
+    """When some test runs gloo ranks, their processes start with the session and import torch while
+    the first tests run (3: the most ranks a test runs), not when the first of those tests needs them."""
+    if any("ranks" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("ranks").start(3)
 
 
 # Tiers: `pytest -m unit` is the fast check before every commit (no Ray instance, no cluster, no

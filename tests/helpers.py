@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,8 +47,9 @@ from raychat.run.step import micro_slices
 from raychat.scaling import Plan, rank_rows, resolve_plan
 from raychat.storage import Storage
 
-if TYPE_CHECKING:  # conftest imports this module; the type only
+if TYPE_CHECKING:  # conftest imports this module; the types only
     from conftest import RayCluster
+    from reused_processes import Commands
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -175,11 +176,11 @@ def assert_bitwise_equal(a: Any, b: Any) -> None:
 # ------------------------------------------------------------------------------------------------
 # The corpus CLI, and a Hugging Face Hub on 127.0.0.1
 
-def run_corpus_cli(*args: object) -> subprocess.CompletedProcess:
-    """`python -m raychat.corpus ARGS` in a fresh process, as a user runs it."""
+def run_corpus_cli(commands: "Commands", *args: object) -> subprocess.CompletedProcess:
+    """`python -m raychat.corpus ARGS` as a user runs it (in the test module's reused interpreter,
+    conftest.py's `commands`)."""
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "raychat.corpus", *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=120)
+    return commands.run("raychat.corpus", *args, env=env, timeout=120)
 
 
 NUM_TRAIN = 3
@@ -204,7 +205,7 @@ class HubServer:
     Content-Length), "drop" (the full Content-Length, all but the last CUT bytes, then the connection
     closes) or "stall" (all but CUT bytes, then nothing until `release` is set). Records every request."""
 
-    def __init__(self, files: dict[str, bytes],
+    def __init__(self, files: Mapping[str, bytes],
                  misbehave: Callable[[str, int], str | None] = lambda name, n: None):
         self.files, self.misbehave = files, misbehave
         self.requests: list[tuple[str, str, str | None, str | None]] = []  # method, path, Range, auth

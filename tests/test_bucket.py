@@ -55,14 +55,14 @@ def range_bytes(request: dict) -> int:
     return int(last) - int(first) + 1
 
 
-def test_corpus_commands_range_reads_and_damage_on_a_bucket(s3_endpoint):
+def test_corpus_commands_range_reads_and_damage_on_a_bucket(commands, s3_endpoint):
     uri = s3_uri(s3_endpoint, f"synthetic-{time.time_ns()}")
     # One train shard of 3 row groups (1024 + 1024 + 452 documents) and a val shard of 500.
-    made = run_corpus_cli("synthetic", "--out", uri, "--docs", "3000", "--docs-per-shard", "3072",
+    made = run_corpus_cli(commands, "synthetic", "--out", uri, "--docs", "3000", "--docs-per-shard", "3072",
                           "--val-docs", "500")
     assert made.returncode == 0, made.stderr
     assert f"corpus {uri}: OK" in made.stdout and "documents:  3,000 (train 2,500, val 500)" in made.stdout
-    checked = run_corpus_cli("check", uri, "--deep")
+    checked = run_corpus_cli(commands, "check", uri, "--deep")
     assert checked.returncode == 0 and "MB of text" in checked.stdout, checked.stderr
 
     index = CorpusIndex.load(uri)

@@ -1,9 +1,9 @@
 """Sharded checkpoints across real gloo processes: each rank writes what it owns and reads what it
 needs, and the state that comes back at W=1 or W=2 is bit for bit the state that was saved.
 
-One spawn of 2 ranks (saving at W=2, resuming at W=2, resuming a W=1 checkpoint at W=2, falling
-back together from a damaged shard); the single-process halves (the W=1 checkpoint, resuming the
-W=2 one at W=1) run in the test process. The reference state is the optimizer's own gathered
+One run of 2 ranks (conftest.py's `ranks`: saving at W=2, resuming at W=2, resuming a W=1 checkpoint
+at W=2, falling back together from a damaged shard); the single-process halves (the W=1 checkpoint,
+resuming the W=2 one at W=1) run in the test process. The reference state is the optimizer's own gathered
 `state_dict()`, which the sharded path never calls.
 """
 
@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import assert_bitwise_equal, gloo_group
 
 from raychat.checkpoint.format import damage, latest_valid_checkpoint, rank_file
@@ -112,15 +111,15 @@ def _worker(rank: int, tmp: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(ranks, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt_sharded")
     model, optimizer = fresh()
     train(model, optimizer, range(STEPS))
     single = {"reference": optimizer.state_dict()}
     save(Storage(str(tmp / "w1")), model, optimizer, 1, 0, lambda obj: [obj]).close()
-    mp.spawn(_worker, args=(str(tmp),), nprocs=2, join=True)
-    ranks = [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    return {"tmp": tmp, "single": single, "ranks": ranks}
+    ranks.run(_worker, 2, str(tmp))
+    saw = [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return {"tmp": tmp, "single": single, "ranks": saw}
 
 
 def checkpoint_bytes(directory: Path) -> int:

@@ -39,6 +39,40 @@ def test_probe_names_the_flag_and_the_cause(monkeypatch, tmp_path):
     torch._dynamo.reset()
 
 
+REFUSAL = "raychat: error: --compile: torch.compile does not work on this machine's cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the workers would run on CUDA")
+def test_driver_refuses_compile_on_in_one_line_before_preparing_anything(monkeypatch, tmp_path, capfd):
+    """`python -m raychat.train`'s main as its __main__ runs it (run_cli), in this process: the unit
+    tier's check of the refusal the next test makes end to end in a fresh interpreter."""
+    import torch._inductor.config as inductor_config
+
+    from raychat.common import run_cli
+    from raychat.train import main
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("RAYCHAT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # joining a cluster, the workers would probe instead
+    torch._dynamo.reset()
+    capfd.readouterr()
+    try:  # the C++ compiler patched as in test_probe_names_the_flag_and_the_cause, and restored
+        with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/g++")}), \
+                pytest.raises(SystemExit) as exited:
+            run_cli(main, ["--preset", "cpu", "--compile", "on"])
+    finally:
+        torch._dynamo.reset()
+    out, err = capfd.readouterr()
+    assert exited.value.code == 2, err[-2000:]
+    assert err.strip().splitlines() == [err.strip()], err[-2000:]
+    assert err.startswith(REFUSAL) and err.strip().endswith("run with --compile off")
+    assert out.strip().splitlines() == ["Checking that torch.compile works on cpu (--compile on)..."]
+    assert not (tmp_path / "home").exists()  # refused before preparing a corpus or starting Ray
+
+
+# A fresh interpreter importing torch, Ray and inductor, then compiling cold: ~10 s of a 2-core CPU, so
+# in the full tier; the unit tier checks the same refusal in-process (above).
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the workers would run on CUDA")
 def test_driver_refuses_compile_on_before_any_worker(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAYCHAT_HOME": str(tmp_path / "home"),
@@ -48,7 +82,6 @@ def test_driver_refuses_compile_on_before_any_worker(tmp_path):
                          capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr[-2000:]
-    refusal = "raychat: error: --compile: torch.compile does not work on this machine's cpu"
-    assert out.stderr.startswith(refusal)
+    assert out.stderr.startswith(REFUSAL)
     assert out.stderr.strip().endswith("run with --compile off")
     assert not (tmp_path / "home").exists()  # refused before preparing a corpus or starting Ray

@@ -278,11 +278,11 @@ def test_prepare_default_corpus_offline_writes_the_sample(tmp_path):
 
 # ----------------------------------------------------------------------------- CLI
 
-def test_cli_synthetic_then_check(tmp_path):
-    made = run_corpus_cli("synthetic", "--out", tmp_path / "c", "--docs", 1500, "--seed", 5,
+def test_cli_synthetic_then_check(commands, tmp_path):
+    made = run_corpus_cli(commands, "synthetic", "--out", tmp_path / "c", "--docs", 1500, "--seed", 5,
                           "--docs-per-shard", 512, "--val-docs", 300)
     assert made.returncode == 0, made.stderr
-    checked = run_corpus_cli("check", tmp_path / "c", "--deep")
+    checked = run_corpus_cli(commands, "check", tmp_path / "c", "--deep")
     assert checked.returncode == 0, checked.stderr
     # 1200 train docs in shards of 512: 512 + 512 + 176, one row group each; val 300.
     assert "shards:     4 (3 train + 1 val)" in checked.stdout
@@ -341,7 +341,7 @@ def bad_corpora(root: Path) -> list[tuple[Path, str, str]]:
     return cases
 
 
-def test_cli_bad_corpora_fail_with_one_line_naming_the_file(tmp_path):
+def test_cli_bad_corpora_fail_with_one_line_naming_the_file(commands, tmp_path):
     for corpus_dir, named, words in bad_corpora(tmp_path):
         # The trainer's start-up check and `check` say the same thing.
         with pytest.raises(RaychatError, match=re.escape(words)) as error:
@@ -349,7 +349,7 @@ def test_cli_bad_corpora_fail_with_one_line_naming_the_file(tmp_path):
         assert named in str(error.value)
         if words in ("expected strings", "row group 0 has 1025 rows"):
             continue  # not among the CLI cases; one subprocess less each
-        result = run_corpus_cli("check", corpus_dir)
+        result = run_corpus_cli(commands, "check", corpus_dir)
         assert result.returncode == 2, (corpus_dir, result.stdout, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("raychat: error: "), result.stderr
@@ -357,13 +357,13 @@ def test_cli_bad_corpora_fail_with_one_line_naming_the_file(tmp_path):
         assert result.stdout == ""
 
 
-def test_cli_bad_inputs_to_writers(tmp_path):
+def test_cli_bad_inputs_to_writers(commands, tmp_path):
     empty_docs = tmp_path / "empty.jsonl"
     empty_docs.write_text('{"text": ""}\n{"text": "  "}\n')
-    result = run_corpus_cli("ingest", empty_docs, "--out", tmp_path / "out")
+    result = run_corpus_cli(commands, "ingest", empty_docs, "--out", tmp_path / "out")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "no documents found" in result.stderr
-    result = run_corpus_cli("synthetic", "--out", tmp_path / "s", "--docs", 10, "--val-docs", 10)
+    result = run_corpus_cli(commands, "synthetic", "--out", tmp_path / "s", "--docs", 10, "--val-docs", 10)
     assert result.returncode == 2 and "--val-docs must be between 1 and 9" in result.stderr
     assert not (tmp_path / "s").exists()
 

@@ -126,12 +126,12 @@ def test_truncated_file_is_never_kept_and_a_rerun_completes_it(tmp_path, served_
     assert_complete(tmp_path / "data", served_files)
 
 
-def test_cli_downloads_and_fails_in_one_line_when_the_endpoint_is_unreachable(tmp_path, served_files):
+def test_cli_downloads_and_fails_in_one_line_when_the_endpoint_is_unreachable(commands, tmp_path,
+                                                                             served_files):
+    """Both commands as a user runs them, in one reused interpreter (conftest.py's `commands`)."""
     with HubServer(served_files) as server:
-        result = subprocess.run(
-            [sys.executable, "-m", "raychat.corpus", "download", "--shards", "2", "--data-dir",
-             str(tmp_path / "d"), "--workers", "3"], capture_output=True, text=True, env=cli_env(server.url),
-            timeout=120)
+        result = commands.run("raychat.corpus", "download", "--shards", "2", "--data-dir", tmp_path / "d",
+                              "--workers", "3", env=cli_env(server.url), timeout=120)
     assert result.returncode == 0, result.stderr
     assert "documents:  12,200 (train 2,200, val 10,000)" in result.stdout
     assert f"source:     {REPO_ID} @ {COMMIT}" in result.stdout
@@ -139,9 +139,8 @@ def test_cli_downloads_and_fails_in_one_line_when_the_endpoint_is_unreachable(tm
     with socket.socket() as closed:  # a port nobody listens on
         closed.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
-    result = subprocess.run([sys.executable, "-m", "raychat.corpus", "download", "--shards", "2",
-                             "--data-dir", str(tmp_path / "e")], capture_output=True, text=True,
-                            env=cli_env(dead), timeout=120)
+    result = commands.run("raychat.corpus", "download", "--shards", "2", "--data-dir", tmp_path / "e",
+                          env=cli_env(dead), timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith(f"raychat: error: could not fetch {REPO_ID} from {dead}")

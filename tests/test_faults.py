@@ -217,6 +217,20 @@ def storage_warnings(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if "raychat: warning: storage" in line]
 
 
+def test_footer_reads_ride_out_resets_with_one_line_per_incident(proxy, corpus, capsys, direct_corpus_client):
+    """raychat's own retry of footer reads, each fault reaching it (pyarrow's retries off): the unit
+    tier's check of what the next test checks through the driver's real client."""
+    undisturbed = CorpusIndex.load(corpus)
+    capsys.readouterr()
+    proxy.inject("reset", method="GET", match="shard_00002", count=3)
+    index = CorpusIndex.load(corpus)
+    assert index == undisturbed and proxy.injected["reset"] == 3
+    warnings = storage_warnings(capsys)
+    assert len(warnings) == 2 and "reading the footer of" in warnings[0], warnings
+    assert "shard_00002" in warnings[0] and "storage recovered" in warnings[1], warnings
+
+
+@pytest.mark.slow  # pyarrow's own ~6 s of retries, waited out: the unit tier has the check above
 def test_indexing_a_bucket_rides_out_faults_on_footer_reads(proxy, corpus, capsys):
     """With the client the driver really uses: pyarrow retries a failed request every 200 ms for 6 s
     (~31 tries) before raychat sees it fail; 35 resets of one shard's reads outlast that once."""

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from bench.lease_race import race, run_trials
 from bench.s3_fault_proxy import S3FaultProxy
+from raychat import faults
 from raychat.checkpoint import fence
 from raychat.checkpoint.fence import Fence, LeaseLost
 from raychat.checkpoint.format import (
@@ -126,7 +127,14 @@ def test_a_paused_holder_is_taken_over_and_stops_once_it_wakes(tmp_path):
     assert stopped_after < 5 * beat + 2.0, stopped_after
 
 
-def test_a_lease_record_that_cannot_be_read_is_never_free(tmp_path, s3_endpoint):
+@pytest.fixture
+def quick_backoff(monkeypatch):
+    """Retries 10x sooner than in production (as in tests/test_faults.py): what is tested is which reads
+    are retried, not how long the first backoff step is."""
+    monkeypatch.setattr(faults, "FIRST_DELAY_S", 0.05)
+
+
+def test_a_lease_record_that_cannot_be_read_is_never_free(tmp_path, s3_endpoint, quick_backoff):
     run = Storage(str(tmp_path / "run"))
     fence.lease_dir(run).make_dir()
     fence.lease_dir(run).write_bytes(fence.epoch_file(1), b"")  # not written by raychat

@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import assert_bitwise_equal
 
 from raychat.model.gpt import build_model, gpt_config
@@ -116,8 +115,8 @@ def _run_world(world: int, rank: int, store_path: Path, resume_path: Path) -> di
 
 def _worker(rank: int, tmp: str) -> None:
     """Three processes: ranks 0 and 1 first form a 2-rank group (resuming the 1-process state), then
-    all three a 3-rank group (resuming the 2-rank state). One spawn, since starting Python + torch
-    costs more than the training checked here."""
+    all three a 3-rank group (resuming the 2-rank state). One run of the reused rank processes
+    (conftest.py's `ranks`), since starting Python + torch costs more than the training checked here."""
     torch.set_num_threads(1)  # the ranks share the machine's cores
     tmp_dir = Path(tmp)
     if rank < 2:
@@ -130,7 +129,7 @@ def _worker(rank: int, tmp: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(ranks, tmp_path_factory):
     """One process as the reference, then 2 and 3 ranks (see _worker)."""
     tmp = tmp_path_factory.mktemp("optim_dist")
     model, optimizer = fresh_model_and_optimizer()
@@ -144,7 +143,7 @@ def runs(tmp_path_factory):
     one["continued"] = params_of(model)
     torch.save({"params": one["saved_params"], "optim": one["saved_optim"]}, tmp / "saved_w1.pt")
 
-    mp.spawn(_worker, args=(str(tmp),), nprocs=3, join=True)
+    ranks.run(_worker, 3, str(tmp))
     load = torch.load
     return {1: one, 2: [load(tmp / f"w2_rank{r}.pt", weights_only=True) for r in range(2)],
             3: [load(tmp / f"w3_rank{r}.pt", weights_only=True) for r in range(3)]}

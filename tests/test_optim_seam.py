@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import MEMORY_CONFIG as CONFIG
 from helpers import MEMORY_PARAMS as PARAMS
 from helpers import StepComponents, gloo_group, step_components
@@ -223,8 +222,8 @@ def _rank(rank: int, tmp: str) -> None:
         torch.save(out, Path(tmp) / f"rank{rank}.pt")
 
 
-def test_two_ranks_of_sgd_take_the_one_rank_steps_and_resume_at_either_world_size(tmp_path):
-    mp.spawn(_rank, args=(str(tmp_path),), nprocs=2, join=True)
+def test_two_ranks_of_sgd_take_the_one_rank_steps_and_resume_at_either_world_size(ranks, tmp_path):
+    ranks.run(_rank, 2, str(tmp_path))
     one = components(flags(*SGD_FLAGS))
     losses = [train_step(one, step).loss for step in range(SAVE_AT)]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]

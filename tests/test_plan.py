@@ -1,10 +1,10 @@
-"""`python -m raychat.plan` as a user runs it: a real subprocess, its stdout, stderr and exit code."""
+"""`python -m raychat.plan` as a user runs it: its stdout, stderr and exit code (every command of this
+module in one reused interpreter: tests/reused_processes.py)."""
 
 import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,17 +15,16 @@ PLAN_KEYS = {"params", "scaling_params", "flops_per_token", "total_batch_size", 
 PARAM_KEYS = {"wte", "value_embeds", "lm_head", "transformer_matrices", "scalars", "total"}
 
 
-def run_plan(*args: str, home: Path | None = None) -> subprocess.CompletedProcess:
+def run_plan(commands, *args: str, home: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     if home is not None:
         env["RAYCHAT_HOME"] = str(home)
-    return subprocess.run([sys.executable, "-m", "raychat.plan", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=180)
+    return commands.run("raychat.plan", *args, cwd=REPO, env=env, timeout=180)
 
 
-def test_depth_24_from_a_fresh_home(tmp_path):
+def test_depth_24_from_a_fresh_home(commands, tmp_path):
     """No tokenizer anywhere: the vocabulary comes from --vocab-size, the rest from the scaling rules."""
-    result = run_plan("--depth", "24", "--json", home=tmp_path)
+    result = run_plan(commands, "--depth", "24", "--json", home=tmp_path)
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)  # the whole of stdout is one JSON object
     assert plan.keys() >= PLAN_KEYS
@@ -38,7 +37,7 @@ def test_depth_24_from_a_fresh_home(tmp_path):
     assert plan["total_tokens"] == plan["num_iterations"] * 2**20
 
 
-def test_vocab_size_comes_from_the_tokenizer(tmp_path):
+def test_vocab_size_comes_from_the_tokenizer(commands, tmp_path):
     """A trained tokenizer in --tokenizer-dir wins over --vocab-size (training would use it)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -54,16 +53,16 @@ def test_vocab_size_comes_from_the_tokenizer(tmp_path):
         pq.write_table(pa.table({"text": texts}), data_dir / f"shard_{shard:05d}.parquet")
     train_tokenizer(data_dir, tmp_path / "tok", vocab_size=300, log=lambda _: None)
 
-    result = run_plan("--depth", "2", "--tokenizer-dir", str(tmp_path / "tok"), "--vocab-size", "32768",
-                      "--json")
+    result = run_plan(commands, "--depth", "2", "--tokenizer-dir", str(tmp_path / "tok"), "--vocab-size",
+                      "32768", "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["model"]["vocab_size"] == 300 and str(tmp_path / "tok") in plan["vocab_source"]
     assert plan["params"]["wte"] == 320 * 2 * 64  # vocab padded to a multiple of 64, width 2 x 64
 
 
-def test_seed_001_through_the_cli():
-    result = run_plan("--depth", "12", "--window-pattern", "L", "--total-batch-size", "65536",
+def test_seed_001_through_the_cli(commands):
+    result = run_plan(commands, "--depth", "12", "--window-pattern", "L", "--total-batch-size", "65536",
                       "--num-iterations", "10000", "--device-batch-size", "8",
                       "--vocab-size", "32768", "--json")
     assert result.returncode == 0, result.stderr
@@ -75,8 +74,8 @@ def test_seed_001_through_the_cli():
     assert plan["grad_accum_steps"] == 4
 
 
-def test_readable_table_with_workers():
-    result = run_plan("--preset", "cpu", "--num-workers", "3")
+def test_readable_table_with_workers(commands):
+    result = run_plan(commands, "--preset", "cpu", "--num-workers", "3")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     # cpu preset: 4096-token steps of 512-token rows = 8 rows, dealt 3 + 3 + 2 over 3 workers
@@ -93,8 +92,8 @@ def test_readable_table_with_workers():
     (["--depth", "4", "--max-seq-len", "2048", "--total-batch-size", "8192", "--num-workers", "5"],
      "--num-workers 5"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args, flag):
-    result = run_plan(*args)
+def test_bad_input_is_one_line_and_exit_2(commands, args, flag):
+    result = run_plan(commands, *args)
     assert result.returncode == 2
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()

@@ -1,8 +1,7 @@
 """--dtype and --fp8: what runs where, and the one-line refusals the driver gives before any worker
-starts (this machine's CPU and a CUDA device by name; no GPU needed)."""
+starts (this machine's CPU and a CUDA device by name; no GPU needed). The commands run as a user runs
+them, in one reused interpreter (conftest.py's `commands`)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -73,10 +72,8 @@ def test_plan_line_says_what_runs_and_never_raises(monkeypatch):
     assert refused.startswith("refused on this machine (CPU): --fp8")
 
 
-def test_plan_json_has_the_precision():
-    command = ["raychat.plan", "--preset", "cpu", "--dtype", "fp32", "--json"]
-    out = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
+def test_plan_json_has_the_precision(commands):
+    out = commands.run("raychat.plan", "--preset", "cpu", "--dtype", "fp32", "--json", timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert '"precision": "fp32 on CPU"' in out.stdout
 
@@ -87,11 +84,10 @@ def test_plan_json_has_the_precision():
     *([] if precision.cpu_has_native_bf16()
       else [(["--dtype", "bf16"], "raychat: error: --dtype bf16: this CPU")]),
 ])
-def test_driver_refuses_before_any_worker(tmp_path, flags, message):
+def test_driver_refuses_before_any_worker(commands, tmp_path, flags, message):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAYCHAT_HOME": str(tmp_path / "home"),
            "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "raychat.train", "--preset", "cpu", *flags],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    out = commands.run("raychat.train", "--preset", "cpu", *flags, timeout=120, cwd=ROOT, env=env)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and out.stderr.startswith(message)
     assert not (tmp_path / "home").exists()  # refused before preparing a corpus or starting Ray

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import StepComponents, step_components
 
 from raychat.config import TrainConfig
@@ -83,8 +82,8 @@ def _rank(rank: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_two_ranks_take_the_one_rank_step_and_sum_the_callers_values(tmp_path):
-    mp.spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+def test_two_ranks_take_the_one_rank_step_and_sum_the_callers_values(ranks, tmp_path):
+    ranks.run(_rank, 2, str(tmp_path / "store"), str(tmp_path))
     one, one_params = run_steps(components(device_batch_size=2))
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")

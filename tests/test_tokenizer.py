@@ -9,7 +9,6 @@ import pickle
 import random
 import shutil
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -264,18 +263,19 @@ def test_check_vocab(tok):
 # Command line: the happy path and one clear line for every mistake
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "raychat.tokenizer", *args], capture_output=True, text=True,
-                          timeout=120)
+def run_cli(commands, *args: str) -> subprocess.CompletedProcess:
+    """`python -m raychat.tokenizer ARGS` as a user runs it (in this module's reused interpreter)."""
+    return commands.run("raychat.tokenizer", *args, timeout=120)
 
 
-def test_cli_train_then_eval(corpus, tmp_path):
+def test_cli_train_then_eval(commands, corpus, tmp_path):
     out = tmp_path / "cli_tok"
-    done = run_cli("train", "--data-dir", str(corpus), "--tokenizer-dir", str(out), "--vocab-size", "512")
+    done = run_cli(commands, "train", "--data-dir", str(corpus), "--tokenizer-dir", str(out), "--vocab-size",
+                   "512")
     assert done.returncode == 0, done.stderr
     tokenizer = Tokenizer.load(out)
     assert tokenizer.vocab_size == 512 and tokenizer.bos_id == 503
-    done = run_cli("eval", "--data-dir", str(corpus), "--tokenizer-dir", str(out), "--threads", "1")
+    done = run_cli(commands, "eval", "--data-dir", str(corpus), "--tokenizer-dir", str(out), "--threads", "1")
     assert done.returncode == 0, done.stderr
     stats = tokenizer_stats(tokenizer, list(iter_split_texts(corpus, "val")), threads=1)
     assert f"bytes per token:  {stats.bytes_per_token:.3f}" in done.stdout
@@ -301,7 +301,7 @@ def _damage(tok_dir: Path, tmp_path: Path, how: str) -> Path:
 
 @pytest.mark.parametrize("case", ["vocab_too_small", "missing_corpus", "missing_tokenizer", "truncated_ranks",
                                   "bad_meta_json", "meta_missing_field", "ranks_missing", "corpus_too_small"])
-def test_cli_bad_input_gives_one_line(case, corpus, tok_dir, tmp_path):
+def test_cli_bad_input_gives_one_line(commands, case, corpus, tok_dir, tmp_path):
     if case == "vocab_too_small":
         args, expected = ["train", "--data-dir", str(corpus), "--vocab-size", str(MIN_VOCAB_SIZE - 1),
                           "--tokenizer-dir", str(tmp_path / "t")], "--vocab-size 264 is too small"
@@ -318,7 +318,7 @@ def test_cli_bad_input_gives_one_line(case, corpus, tok_dir, tmp_path):
     else:
         args, expected = ["eval", "--data-dir", str(corpus), "--tokenizer-dir",
                           str(_damage(tok_dir, tmp_path, case))], "is damaged"
-    done = run_cli(*args)
+    done = run_cli(commands, *args)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("raychat: error: "), done.stderr
@@ -340,8 +340,8 @@ def test_damaged_token_bytes_is_reported(tok_dir, tmp_path):
 @pytest.mark.parametrize("args,flags", [(["--help"], ["train", "eval", "raychat.corpus sample"]),
                                         (["train", "--help"], ["--vocab-size", "--max-chars", "--doc-cap"]),
                                         (["eval", "--help"], ["--threads", "--data-dir", "--tokenizer-dir"])])
-def test_help_explains_each_command(args, flags):
-    done = run_cli(*args)
+def test_help_explains_each_command(commands, args, flags):
+    done = run_cli(commands, *args)
     assert done.returncode == 0
     assert all(flag in done.stdout for flag in flags)
 
