@@ -51,6 +51,7 @@ from raychat.checkpoint.saver import CheckpointSaver
 from raychat.checkpoint.shardfile import io_count
 from raychat.common import RaychatError, run_cli
 from raychat.model.gpt import GPTConfig, build_model, gpt_config
+from raychat.optim.base import ShardedOptimizer
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.storage import Storage
@@ -61,7 +62,7 @@ MB_FIELDS = ("checkpoint_bytes", "written_bytes_max_rank", "read_bytes_max_rank"
 BUCKET = "raychat-bench"
 
 
-def _build(depth: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _build(depth: int) -> tuple[torch.nn.Module, ShardedOptimizer]:
     torch.manual_seed(0)
     model = build_model(gpt_config(depth=depth, aspect_ratio=64, head_dim=64, max_seq_len=SEQ,
                                    vocab_size=VOCAB, window_pattern="L"), "cpu")
@@ -70,7 +71,7 @@ def _build(depth: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: int, rank: int) -> float:
+def _train_step(model: torch.nn.Module, optimizer: ShardedOptimizer, world: int, rank: int) -> float:
     """One step on this rank's rows (the optimizer reduces the gradients over the group)."""
     t0 = time.perf_counter()
     tokens = torch.randint(0, VOCAB, (ROWS * world, SEQ + 1), generator=torch.Generator().manual_seed(0))

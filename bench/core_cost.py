@@ -37,6 +37,7 @@ from raychat.evaluation.bundle import load_bundle
 from raychat.evaluation.core import combine, score_shard
 from raychat.model.gpt import build_model
 from raychat.model.precision import resolve_precision
+from raychat.optim.base import ShardedOptimizer
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.scaling import resolve_plan
 from raychat.tokenizer.core import Tokenizer
@@ -95,7 +96,7 @@ def time_core(model: torch.nn.Module, tokenizer: Tokenizer, bundle_dir: Path, pe
     return {"examples": result.num_examples, "seconds": seconds, "tokens": tokens}
 
 
-def time_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: int, seq_len: int,
+def time_training(model: torch.nn.Module, optimizer: ShardedOptimizer, rows: int, seq_len: int,
                   vocab_size: int, steps: int = 6, warmup: int = 2) -> float:
     """Median seconds of one optimizer step over rows x seq_len random tokens."""
     generator = torch.Generator().manual_seed(0)

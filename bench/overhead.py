@@ -48,6 +48,7 @@ from raychat.corpus.index import CorpusIndex, list_shards
 if TYPE_CHECKING:
     import torch
 
+    from raychat.optim.base import ShardedOptimizer
     from raychat.scaling import Plan
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -137,7 +138,7 @@ class PlainComponents:
     plan: "Plan"
     device: "torch.device"
     model: "torch.nn.Module"
-    optimizer: "torch.optim.Optimizer"
+    optimizer: "ShardedOptimizer"
     loader: SavedRows
     micro_slices: list[slice]
 

@@ -42,6 +42,7 @@ from raychat.corpus.download import MAX_SHARD, REPO_ID
 from raychat.corpus.fixture import write_synthetic_corpus
 from raychat.corpus.index import list_shards, shard_filename
 from raychat.model.gpt import GPT, GPTConfig, build_model
+from raychat.optim.base import ShardedOptimizer
 from raychat.optim.registry import optimizer_spec
 from raychat.run.step import micro_slices
 from raychat.scaling import Plan, rank_rows, resolve_plan
@@ -404,14 +405,14 @@ class StepComponents:
     plan: Plan
     device: torch.device
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: ShardedOptimizer
     loader: StepRows
     micro_slices: list[slice]
 
 
 def step_components(cfg: TrainConfig, vocab: int, stream: Callable[[int], torch.Tensor], world: int = 1,
                     rank: int = 0, step: int = 0,
-                    build: Callable[[GPT, TrainConfig, Plan], torch.optim.Optimizer] | None = None
+                    build: Callable[[GPT, TrainConfig, Plan], ShardedOptimizer] | None = None
                     ) -> StepComponents:
     """A rank's model, optimizer and rows as the worker builds them (raychat.run.worker_setup), on the
     CPU: the model from the plan of `cfg` (seeded by cfg.seed), the optimizer by `build` (default: the

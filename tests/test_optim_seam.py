@@ -4,7 +4,10 @@ and sizes its memory with it through the same code as with Muon + AdamW; a check
 under the optimizer that saved it."""
 
 import argparse
+import dataclasses
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -238,3 +241,24 @@ def test_two_ranks_of_sgd_take_the_one_rank_steps_and_resume_at_either_world_siz
     at_one = resume(Storage(str(tmp_path / "w2")), flags(*SGD_FLAGS), SAVE_AT)
     for name, m in momenta(at_one.optimizer).items():
         assert torch.equal(m, ranks[0]["momenta"][name]), name
+
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_cpu_worker_builds_and_steps_without_loading_torchdynamo(optimizer):
+    """A worker on the CPU never loads TorchDynamo: torch.optim.Optimizer's methods would, at the
+    optimizer's build (~2 s of CPU in every worker, again at every restart: raychat.optim.base).
+    A fresh interpreter builds the model and optimizer as the worker does and takes a step."""
+    cfg = flags(*(SGD_FLAGS if optimizer == "sgd" else ()))
+    stream = f"lambda step: torch.randint(0, {VOCAB}, ({ROWS}, {T + 1}))"
+    script = ("import sys, torch\n"
+              "from helpers import step_components\n"
+              "from raychat.config import TrainConfig\n"
+              "from raychat.run.step import train_step\n"
+              f"c = step_components(TrainConfig(**{dataclasses.asdict(cfg)!r}), {VOCAB}, {stream})\n"
+              "train_step(c, 0)\n"
+              "print('TorchDynamo loaded' if 'torch._dynamo' in sys.modules else 'TorchDynamo not loaded')\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "TorchDynamo not loaded"

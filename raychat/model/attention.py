@@ -34,7 +34,7 @@ from torch import Tensor
 
 from raychat.common import RaychatError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # only for type checkers: importing flex_attention loads TorchDynamo (seconds)
     from torch.nn.attention.flex_attention import BlockMask
 
 # bool [T, T] (SDPA), BlockMask (flex), None (plain causal)

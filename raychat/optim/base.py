@@ -1,7 +1,7 @@
 """The interface every optimizer of a run implements: what the worker, the step, the checkpoint and
 the memory estimate ask of it, so that none of them knows which optimizer it is.
 
-- `ShardedOptimizer` is the torch optimizer itself. Data parallelism is its business, not DDP's: the
+- `ShardedOptimizer` is the optimizer itself. Data parallelism is its business, not DDP's: the
   caller scales the loss by 1 / (global tokens) and `step()` SUM-reduces the gradients however the
   optimizer likes (MuonAdamW reduce-scatters them to the rank that owns each slice of the state; SGD
   all-reduces them and keeps its state whole on every rank). So it also decides which part of its
@@ -13,9 +13,16 @@ the memory estimate ask of it, so that none of them knows which optimizer it is.
 
 Every param group carries "names" (its parameters' names, the keys of the saved state), "lr" and
 "initial_lr": the step sets lr = initial_lr x the schedule's multiplier for every optimizer alike.
+
+It keeps torch.optim.Optimizer's shape (`param_groups`, `state`, `step()`) but is not one: that base
+class loads TorchDynamo the first time it is built (`torch._disable_dynamo` wraps its methods),
+about 2 s of CPU in each worker, paid again by every restart of a CPU run (on a loaded 2-core host
+it was most of a restart's restore). A run sets the lr itself and needs nothing else of torch's
+class; a compiled (GPU) run loads TorchDynamo for the model anyway.
 """
 
 from abc import ABC, abstractmethod
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -34,11 +41,25 @@ OwnedPiece = tuple[str, str, tuple[int, ...], int, torch.Tensor]
 ReadRange = Callable[[str, str, int], torch.Tensor]
 
 
-class ShardedOptimizer(torch.optim.Optimizer, ABC):
-    """A torch optimizer that reduces gradients across ranks itself and saves and restores each
-    rank's share of its state with no collective (see the module docstring)."""
+class ShardedOptimizer(ABC):
+    """An optimizer that reduces gradients across ranks itself and saves and restores each rank's
+    share of its state with no collective (see the module docstring)."""
 
     name: ClassVar[str]  # its --optimizer name: a checkpoint records it, a resume under another is refused
+
+    def __init__(self, param_groups: list[dict]):
+        """`param_groups`: dicts with "params" (a list) and the group's hyperparameters, kept as given."""
+        params = [p for group in param_groups for p in group["params"]]
+        if not params:
+            raise ValueError("the optimizer was given no parameters")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a parameter appears twice in the optimizer's groups")
+        self.param_groups = param_groups
+        self.state: defaultdict[torch.Tensor, dict] = defaultdict(dict)  # per parameter, as torch's
+
+    @abstractmethod
+    def step(self) -> None:
+        """One update of every parameter from its gradient, reduced across ranks here."""
 
     @abstractmethod
     def owned_pieces(self) -> tuple[list[OwnedPiece], dict]:

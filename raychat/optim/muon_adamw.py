@@ -114,7 +114,7 @@ class MuonAdamW(ShardedOptimizer):
             if group["kind"] == "muon" and (len(shapes) > 1 or any(len(shape) != 2 for shape in shapes)):
                 raise ValueError("a Muon group stacks its matrices: its parameters must be 2-D, of one shape")
             group.setdefault("initial_lr", group["lr"])
-        super().__init__(param_groups, defaults={})
+        super().__init__(param_groups)
         params = [p for group in self.param_groups for p in group["params"]]
         names = [name for group in self.param_groups for name in group["names"]]
         if len(set(names)) != len(names):

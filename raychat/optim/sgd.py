@@ -42,7 +42,7 @@ class SGD(ShardedOptimizer):
                 raise ValueError("every optimizer group needs 'names': one name per parameter")
             group.setdefault("momentum", 0.0)
             group.setdefault("initial_lr", group["lr"])
-        super().__init__(param_groups, defaults={})
+        super().__init__(param_groups)
 
     @torch.no_grad()
     def step(self) -> None:
