@@ -101,7 +101,7 @@ def _replica(model, optimizer, step, epoch=7, attempt=0):
 def test_a_holder_keeps_two_steps_and_gives_the_state_back_bit_for_bit(ray_session):
     c = _components()
     model, optimizer = c.model, c.optimizer
-    holder = ReplicaHolder.remote()
+    holder, peer = ReplicaHolder.remote(), ReplicaHolder.remote()
     try:
         _train(c, range(2))
         at_step_2 = _replica(model, optimizer, 2)
@@ -122,10 +122,11 @@ def test_a_holder_keeps_two_steps_and_gives_the_state_back_bit_for_bit(ray_sessi
         assert {tuple(r["key"]) for r in ray.get(holder.inventory.remote())} == {(3, 0)}
         ray.get(holder.put.remote(at_step_2))  # an older step, put back for the read below
         retain_only([holder], (2, 0))
+        ray.get(peer.put.remote(at_step_2))  # the peer node's copy of it
 
         # The restore's own path: rank 0 chooses, every rank reads its share through the reader.
         logs: list[str] = []
-        restore = MemoryRestore.agree([holder], epoch=7, min_step=0, model=GPTConfig(), rank=0,
+        restore = MemoryRestore.agree([holder, peer], epoch=7, min_step=0, model=GPTConfig(), rank=0,
                                       all_gather=lambda obj: [obj], log=logs.append)
         assert restore is not None and restore.meta.step == 2 and restore.meta.loop_state.min_val_bpb == 2.5
         assert restore.meta.cursor == merge_cursor([RankCursor(0, 1, 5, [[1, 2, 0, 3]])], 9, 1234)
@@ -141,8 +142,17 @@ def test_a_holder_keeps_two_steps_and_gives_the_state_back_bit_for_bit(ray_sessi
         # Another epoch's driver finds nothing to restore; a holder that is gone is a set lost.
         assert MemoryRestore.agree([holder], epoch=8, min_step=0, model=GPTConfig(), rank=0,
                                    all_gather=lambda obj: [obj], log=logs.append) is None
+        # Kept twice, a piece is read from the rank's own node's holder: the other may be gone.
         ray.kill(holder)
+        again = _components()
+        share = restore.load(lambda reader: read_share(reader, again.model, again.optimizer, 1, 0),
+                             local=peer)
+        apply_share(share, again.model, again.optimizer, 1, CPU)
+        assert_bitwise_equal(again.model.state_dict(), expected_model)
+        assert not logs
+        # Read from the holder that is gone (the first listed, with no local one), the set is lost.
         assert restore.load(lambda reader: read_share(reader, fresh_model, fresh_optimizer, 1, 0)) is None
         assert logs and "resuming from storage" in logs[-1]
     finally:
         ray.kill(holder)
+        ray.kill(peer)

@@ -257,11 +257,14 @@ class MemoryReader:
     for `read_share`): each read asks the holders that keep the pieces it spans."""
 
     def __init__(self, holders: list[Any], found: list[list[dict]], key: tuple[int, int], world: int,
-                 extra: dict):
+                 extra: dict, local: Any | None = None):
         self.directory = f"peer memory (step {key[0]})"
         self.key, self.extra = key, extra
         self.tensors: dict[str, dict] = {}
-        for holder, inventory in zip(holders, found, strict=True):
+        # A piece two holders keep is read from this rank's own node's (`local`): through the node's
+        # shared memory, not the network.
+        pairs = sorted(zip(holders, found, strict=True), key=lambda pair: pair[0] != local)
+        for holder, inventory in pairs:
             for replica in inventory:
                 if tuple(replica["key"]) != key or replica["world_size"] != world:
                     continue
@@ -350,10 +353,11 @@ class MemoryRestore:
         found, key, world, meta, extra = choice
         return cls(holders, found, key, world, meta, extra, all_gather, log)
 
-    def load(self, read: Callable[[MemoryReader], T]) -> T | None:
-        """`read(reader)` on every rank, or None on every rank when any of them could not."""
+    def load(self, read: Callable[[MemoryReader], T], local: Any | None = None) -> T | None:
+        """`read(reader)` on every rank, or None on every rank when any of them could not. `local`:
+        the holder on this rank's node, read from first."""
         try:
-            reader = MemoryReader(self.holders, self.found, self.key, self.world, self.extra)
+            reader = MemoryReader(self.holders, self.found, self.key, self.world, self.extra, local)
             share, problem = read(reader), None
         except (ReplicaLost, ray.exceptions.RayError, TimeoutError, KeyError) as e:
             share, problem = None, f"{type(e).__name__}: {e}".splitlines()[0]

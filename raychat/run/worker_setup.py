@@ -342,7 +342,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     def read(reader: Any) -> Share:
         return read_share(reader, orig_model, optimizer, me.world_size, me.rank)
 
-    share = memory.load(read) if memory is not None else None
+    share = memory.load(read, holders.get(node_of_rank[me.rank])) if memory is not None else None
     source = memory if share is not None else restore
     if share is None:
         share = restore.load(read)
