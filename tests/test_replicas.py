@@ -2,6 +2,8 @@
 how often auto replicates, and a real holder actor that keeps two steps and gives the state back bit
 for bit through the sharded reader's interface. A node lost mid-run is in tests/test_elastic.py."""
 
+import time
+
 import pytest
 import ray
 import torch
@@ -17,6 +19,7 @@ from raychat.run.replicas import (
     MemoryRestore,
     Replica,
     ReplicaHolder,
+    Replicator,
     choose_interval,
     choose_set,
     peer_nodes,
@@ -156,3 +159,44 @@ def test_a_holder_keeps_two_steps_and_gives_the_state_back_bit_for_bit(ray_sessi
     finally:
         ray.kill(holder)
         ray.kill(peer)
+
+
+@ray.remote(num_cpus=0)
+class _HungHolder:
+    """A holder whose node stopped answering for a while: its first put takes `hang_s`."""
+
+    def __init__(self, hang_s: float):
+        self.hang_s, self.steps = hang_s, []
+
+    def put(self, replica: Replica) -> None:
+        time.sleep(self.hang_s)
+        self.hang_s = 0.0
+        self.steps.append(replica.step)
+
+    def kept(self) -> list[int]:
+        return self.steps
+
+
+@pytest.mark.ray
+def test_a_hung_holder_never_stalls_the_loop_its_steps_are_skipped_and_said(ray_session):
+    """A fixed --replicate-every 1 with a holder that hangs for 6 s: the next replications return at
+    once (skipped, said once), and the first after the send ends is kept."""
+    c = _components()
+    holder = _HungHolder.remote(6.0)
+    warnings: list[str] = []
+    replicator = Replicator(holder, None, epoch=7, attempt=0, log=print, warn=warnings.append, every=1)
+    try:
+        replicator.replicate(_replica(c.model, c.optimizer, 1))
+        started = time.monotonic()
+        for step in (2, 3):
+            replicator.replicate(_replica(c.model, c.optimizer, step))
+        assert time.monotonic() - started < 2.0  # the loop did not wait out the hang
+        assert len(warnings) == 1 and "memory replica of step 2 skipped" in warnings[0], warnings
+        replicator.writer.wait()
+        replicator.replicate(_replica(c.model, c.optimizer, 4))
+        replicator.writer.wait()
+        assert "go on at step 4 (skipped from 2)" in warnings[-1], warnings
+        assert ray.get(holder.kept.remote()) == [1, 4]
+    finally:
+        replicator.close()
+        ray.kill(holder)

@@ -184,14 +184,26 @@ class Replicator:
         self.writer = AsyncCheckpointWriter()
         self.last_step: int | None = None
         self.failed: str | None = None  # the last send's fault: a lost holder is said, never raised
+        self.skipping_since: int | None = None  # the first step skipped while a send was in flight
         self._steps: deque[float] = deque(maxlen=RECENT_STEPS)
 
     def replicate(self, replica: Replica) -> None:
         """Copy `replica`'s pieces now (the stall); put and send them in a background thread. A state
         that is not finite is never sent (its holders keep the last good one, as storage does). A
         replica a holder did not take (its node going, Ray's object store full) is a warning: the
-        loop goes on, with the durable checkpoints."""
-        self.writer.wait()  # the last send, whose fault is said before this one's copy
+        loop goes on, with the durable checkpoints. While the last send is still going (a slow or
+        hung holder: up to HOLDER_CALL_S), this step is skipped, not waited for: a restore takes the
+        newest set every rank completed."""
+        if not self.writer.done():
+            if self.skipping_since is None:
+                self.skipping_since = replica.step
+                self.warn(f"memory replica of step {replica.step} skipped: the one of step {self.last_step} "
+                          "is still being sent (a slow or unresponsive holder); training does not wait")
+            return
+        if self.skipping_since is not None:
+            self.warn(f"memory replicas go on at step {replica.step} (skipped from {self.skipping_since})")
+            self.skipping_since = None
+        self.writer.wait()  # finished: its fault, if any, is said before this one's copy
         if self.failed is not None:
             self.warn(f"memory replica of step {self.last_step} not kept: {self.failed}")
             self.failed = None
