@@ -316,15 +316,16 @@ def _train(config: WorkerRunConfig) -> None:
         last_step = state.step >= num_iterations  # the driver refuses a resume past the horizon
         metrics: dict[str, Any] = {}
 
-        # mirror the state in peer memory: every --replicate-every steps, or when rank 0's auto choice
-        # asked at the last step's all-reduce, and at the last step before its evaluation, which a
-        # node lost meanwhile then repeats without retraining (a copy to host memory, sent in the
-        # background)
-        if w.replicator is not None and state.step != first_step and (
-                last_step or (signals.replicate_due if cfg.replicate_every == 0 else
-                              w.replicator.due(state.step, first_step))):
-            with clock("checkpoint"):
-                replicate(w, state)
+        # mirror the state in peer memory when rank 0 asked at the last step's all-reduce (every
+        # --replicate-every steps, or its auto choice; a step some rank was still sending for is
+        # skipped by all), and at the last step before its evaluation, which a node lost meanwhile
+        # then repeats without retraining (a copy to host memory, sent in the background)
+        if w.replicator is not None and state.step != first_step:
+            if last_step or signals.replicate_due:
+                with clock("checkpoint"):
+                    replicate(w, state)
+            elif signals.replicate_skipped:
+                w.replicator.skipped(state.step)
 
         with clock("eval"):
             bpb_due, core_is_due, sample_due = _evaluations_due(cfg, state.step, last_step)
@@ -369,12 +370,12 @@ def _train(config: WorkerRunConfig) -> None:
         save_next = cadence is not None and cadence.due(state.step + 1, w.saver.submitted_step)
         writer = w.saver.writer  # its last save this attempt, however it was waited for: a notice's margin
         signals.save_s = writer.snapshot_seconds + writer.write_seconds if writer.write_seconds else None
-        replicate_next = (w.master and w.replicator is not None and cfg.replicate_every == 0
-                          and w.replicator.auto_due(state.step + 1, first_step, signals.step_s))
+        replicate_next = (w.master and w.replicator is not None
+                          and w.replicator.wanted(state.step + 1, first_step, signals.step_s))
         next_step = state.step + 1  # an evaluation or the last step next: a notice's save goes first
         busy_next = any(_evaluations_due(cfg, next_step, next_step >= num_iterations))
-        flags = signals.local_flags(save_next, busy_next=busy_next,
-                                    replicate_due=replicate_next)
+        flags = signals.local_flags(save_next, busy_next=busy_next, replicate_due=replicate_next,
+                                    still_sending=w.replicator is not None and w.replicator.sending)
         result = train_step(w, state.step, also_sum=flags)
         signals.update(result.summed)
         signals.step_s = result.dt

@@ -179,7 +179,8 @@ class Replicator:
         self.holders = [own] if peer is None else [own, peer]
         self.epoch, self.attempt = epoch, attempt
         self.log, self.warn = log, warn  # rank 0's lines; any rank's warnings
-        self.every = every  # 0: auto, chosen by rank 0 from the first replica's costs
+        self.fixed = every > 0  # --replicate-every N; 0: auto, rank 0 chooses from the replicas' costs
+        self.every = every
         self.sends_compete = sends_compete  # training on the CPUs the send uses (replicas_needed)
         self.writer = AsyncCheckpointWriter()
         self.last_step: int | None = None
@@ -191,17 +192,15 @@ class Replicator:
         """Copy `replica`'s pieces now (the stall); put and send them in a background thread. A state
         that is not finite is never sent (its holders keep the last good one, as storage does). A
         replica a holder did not take (its node going, Ray's object store full) is a warning: the
-        loop goes on, with the durable checkpoints. While the last send is still going (a slow or
-        hung holder: up to HOLDER_CALL_S), this step is skipped, not waited for: a restore takes the
-        newest set every rank completed."""
-        if not self.writer.done():
-            if self.skipping_since is None:
-                self.skipping_since = replica.step
-                self.warn(f"memory replica of step {replica.step} skipped: the one of step {self.last_step} "
-                          "is still being sent (a slow or unresponsive holder); training does not wait")
+        loop goes on, with the durable checkpoints. The steps' flags skip a step while any rank is
+        still sending (`skipped`); the last step, replicated unasked, is skipped here by a rank whose
+        send is still going (a slow or hung holder: up to HOLDER_CALL_S), never waited for."""
+        if self.sending:
+            self.warn(f"memory replica of step {replica.step} skipped: the one of step {self.last_step} is "
+                      "still being sent (a slow or unresponsive holder); training does not wait for it")
             return
         if self.skipping_since is not None:
-            self.warn(f"memory replicas go on at step {replica.step} (skipped from {self.skipping_since})")
+            self.log(f"Memory replicas: go on at step {replica.step} (skipped from {self.skipping_since})")
             self.skipping_since = None
         self.writer.wait()  # finished: its fault, if any, is said before this one's copy
         if self.failed is not None:
@@ -221,9 +220,25 @@ class Replicator:
         self.writer.submit("memory replicas", replica.pieces, send)
         self.last_step = replica.step
 
-    def due(self, step: int, first_step: int) -> bool:
-        """Fixed --replicate-every N: every N steps. Auto: rank 0's flag (ElasticSignals) decides."""
-        return self.every > 0 and step != first_step and step % self.every == 0
+    @property
+    def sending(self) -> bool:
+        return not self.writer.done()
+
+    def wanted(self, step: int, first_step: int, step_s: float) -> bool:
+        """Rank 0: whether the state before `step` is to be replicated (every rank hears it through the
+        step's flags: raychat.run.elastic.ElasticSignals). Fixed --replicate-every N: every N steps;
+        auto: `auto_due`."""
+        if self.fixed:
+            return step != first_step and step % self.every == 0
+        return self.auto_due(step, first_step, step_s)
+
+    def skipped(self, step: int) -> None:
+        """Every rank, at a step wanted but skipped because some rank was still sending: said once
+        (rank 0) until replicas go on."""
+        if self.skipping_since is None:
+            self.skipping_since = step
+            self.log(f"Memory replicas: step {step} skipped: a rank's last replica is still being sent (a "
+                     "slow or unresponsive holder); training does not wait for it")
 
     def auto_due(self, step: int, first_step: int, step_s: float) -> bool:
         """Rank 0, auto: whether the state before `step` is to be replicated, at the interval chosen
