@@ -101,8 +101,9 @@ class TrainConfig(Record):
                                     "should redo, in minutes (the checkpoint interval plus a save's write)",
                                     "evaluation")
     replicate_every: int = _flag(0, "mirror every rank's state in host memory on its own node and a peer "
-                                 "node every N steps, so a node lost without notice redoes at most N steps "
-                                 "and its restart reads nothing from storage (0 = auto: as often as the "
+                                 "node every N steps, so a node lost without notice redoes about N steps "
+                                 "(more while a slow send skips some) and its restart reads nothing from "
+                                 "storage (0 = auto: as often as the "
                                  "copies stall training at most 2/100 of its time; -1 = off; a one-node "
                                  "group keeps its own node's copy only, for a lost worker process)",
                                  "evaluation")

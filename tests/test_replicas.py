@@ -164,10 +164,14 @@ def test_a_holder_keeps_two_steps_and_gives_the_state_back_bit_for_bit(ray_sessi
 
 @ray.remote(num_cpus=0)
 class _HungHolder:
-    """A holder whose node stopped answering for a while: its first put takes `hang_s`."""
+    """A holder that keeps the steps put to it; the put after `hang` takes that long (its node stopped
+    answering for a while)."""
 
     def __init__(self, hang_s: float):
         self.hang_s, self.steps = hang_s, []
+
+    def hang(self, seconds: float) -> None:
+        self.hang_s = seconds
 
     def put(self, replica: Replica) -> None:
         time.sleep(self.hang_s)
@@ -179,44 +183,57 @@ class _HungHolder:
 
 
 @pytest.mark.ray
-def test_a_hung_holder_stalls_no_step_and_every_rank_skips_the_same_steps(ray_session):
-    """Fixed --replicate-every 1, two ranks; rank 1's holder hangs for 6 s on its first put. The steps'
-    flags (raychat.run.elastic.ElasticSignals, summed as the step's all-reduce sums them) skip the
-    steps while rank 1 is still sending, on both ranks alike (a restore needs whole sets), rank 0
-    says so once, no step waits, and both holders keep the same steps."""
+def test_every_step_is_replicated_and_a_hung_holder_stalls_none_every_rank_skipping_alike(ray_session):
+    """Fixed --replicate-every 1, two ranks, the loop's protocol (raychat.run.loop): each rank
+    replicates when the last step's summed flags say so (raychat.run.elastic.ElasticSignals), its
+    still-sending flag asked at the step's all-reduce, after the step's work. Healthy holders keep
+    every step. Then rank 1's holder hangs for 6 s: both ranks skip the same steps (a restore needs
+    whole sets), rank 0 says so once, no step waits, and the last step, replicated unasked, is
+    skipped by all while a rank is still sending."""
     c = _components()
-    holders = [_HungHolder.remote(0.0), _HungHolder.remote(6.0)]
+    holders = [_HungHolder.remote(0.0), _HungHolder.remote(0.0)]
     logs: list[str] = []
     ranks = [Replicator(holder, None, epoch=7, attempt=0, log=log, warn=logs.append, every=1)
              for holder, log in zip(holders, [logs.append, lambda line: None], strict=True)]
     signals = [ElasticSignals(), ElasticSignals()]
+    step_s = 0.3  # a step's work; the healthy sends (a d2 model's state) take a few ms
 
-    def steps(first: int, last: int) -> None:
-        """The loop's side of the protocol for steps first..last (tests/test_train.py runs the loop)."""
+    def steps(first: int, last: int, last_step: int = 100) -> None:
         for step in range(first, last + 1):
             for replicator, mine in zip(ranks, signals, strict=True):
-                if mine.replicate_due:
+                if (step == last_step and not mine.any_sending) or mine.replicate_due:
                     replicator.replicate(_replica(c.model, c.optimizer, step))
                 elif mine.replicate_skipped:
                     replicator.skipped(step)
-            # local_flags' five numbers (it reads the Ray Train context for a spot notice: none here)
-            flags = [(0.0, 0.0, 0.0, float(rank == 0 and replicator.wanted(step + 1, 0, 0.1)),
-                      float(replicator.sending)) for rank, replicator in enumerate(ranks)]
+            time.sleep(step_s)
+            # local_flags' five numbers at the all-reduce (it reads the Ray Train context for a spot
+            # notice, which a test has not)
+            flags = [(0.0, 0.0, 0.0, float(rank == 0 and replicator.wanted(step + 1, 0, step_s)),
+                      float(replicator.sending())) for rank, replicator in enumerate(ranks)]
             for mine in signals:
                 mine.update([sum(values) for values in zip(*flags, strict=True)])
 
     try:
-        started = time.monotonic()
+        assert ray.get([h.kept.remote() for h in holders]) == [[], []]  # both actors up
         steps(0, 3)
-        assert time.monotonic() - started < 3.0  # no step waited out the hang
-        assert logs == ["Memory replicas: step 2 skipped: a rank's last replica is still being sent (a slow "
-                        "or unresponsive holder); training does not wait for it"], logs
-        ranks[1].writer.wait()  # the hang ends
-        steps(4, 5)
         for replicator in ranks:
             replicator.writer.wait()
-        assert logs[-1] == "Memory replicas: go on at step 5 (skipped from 2)", logs
-        assert ray.get([h.kept.remote() for h in holders]) == [[1, 5], [1, 5]]
+        assert ray.get([h.kept.remote() for h in holders]) == [[1, 2, 3]] * 2, logs
+        assert not logs
+
+        ray.get(holders[1].hang.remote(6.0))
+        started = time.monotonic()
+        steps(4, 7)
+        assert time.monotonic() - started < 4 * step_s + 2.0  # no step waited out the hang
+        assert logs == ["Memory replicas: step 5 skipped: a rank's last replica is still being sent (a slow "
+                        "or unresponsive holder); training does not wait for it"], logs
+        steps(8, 8, last_step=8)  # the last step: rank 1 still sending, so nobody replicates it
+        ranks[1].writer.wait()  # the hang ends
+        steps(9, 10)
+        for replicator in ranks:
+            replicator.writer.wait()
+        assert "Memory replicas: go on at step 10 (skipped from 5)" in logs, logs
+        assert ray.get([h.kept.remote() for h in holders]) == [[1, 2, 3, 4, 10]] * 2
     finally:
         for replicator in ranks:
             replicator.close()

@@ -96,3 +96,19 @@ def test_two_ranks_take_the_one_rank_step_and_sum_the_callers_values(ranks, tmp_
 def test_importing_the_step_does_not_import_ray():
     code = "import sys, raychat.run.step; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
+
+
+def test_callable_values_are_asked_after_the_steps_work_and_ride_on_its_all_reduce():
+    """A callable `also_sum` is asked once, after the optimizer step (the memory tier's still-sending
+    flag must have seen the step's time go by: raychat.run.loop), and its values come back summed."""
+    c = components(ROWS)
+    before = {k: v.clone() for k, v in c.model.state_dict().items()}
+    asked = []
+
+    def values() -> tuple[float, float]:
+        moved = any(not torch.equal(v, before[k]) for k, v in c.model.state_dict().items())
+        asked.append(moved)
+        return 2.0, 3.5
+
+    assert train_step(c, 0, values).summed == [2.0, 3.5]
+    assert asked == [True]

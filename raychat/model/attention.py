@@ -13,8 +13,7 @@ Window semantics are FA3's `window_size=(window, 0)`: query i sees keys j with i
 Masks are built once per (T, window, device) and cached; `layer_masks` is the one place that builds
 them and is kept out of torch.compile graphs, so a compiled model takes a single graph break at the
 top of forward instead of one per layer. Nothing here imports TorchDynamo (1.6 s per process, paid
-by every CLI and driver that imports or plans the model) until something compiles. (A worker loads
-it anyway: torch.optim's Optimizer does, on its first parameter group.)
+by every CLI, driver and CPU worker that imports or plans the model) until something compiles.
 
 Set RAYCHAT_ATTENTION=sdpa to use the boolean-mask path on CUDA too (a fallback if FlexAttention
 misbehaves on some GPU), or RAYCHAT_ATTENTION=flex to run the CUDA path on CPU (PyTorch compiles

@@ -356,27 +356,30 @@ class ElasticSignals:
     checkpoint_due: bool = False  # rank 0's auto cadence (raychat.run.cadence) wants the next step saved
     replicate_due: bool = False  # rank 0 wants the next step replicated and no rank is still sending
     replicate_skipped: bool = False  # rank 0 wanted it, but some rank's last replica is still being sent
+    any_sending: bool = False  # some rank's last replica was still being sent at the last step's all-reduce
     step_s: float = 0.0  # this rank's last step
     save_s: float | None = None  # this rank's last save in this attempt: its stall and write
 
     def local_flags(self, checkpoint_due: bool = False, busy_next: bool = False, replicate_due: bool = False,
-                    still_sending: bool = False) -> tuple[float, ...]:
+                    still_sending: Callable[[], bool] | None = None) -> tuple[float, ...]:
         """(resize requested here, a preemption notice's save due here, a periodic save due by rank 0's
         cadence, a memory replica due by rank 0's, this rank's last replica still being sent) as
-        numbers to sum across ranks. `busy_next`: an evaluation or the final step comes after this
-        step (a notice's save goes before it)."""
+        numbers to sum across ranks; asked just before the step's all-reduce. `busy_next`: an
+        evaluation or the final step comes after this step (a notice's save goes before it)."""
         due = notice_save_due(preemption_deadline(), time.time(), self.save_s, self.step_s, busy_next)
         preempted = not self.preempt_saved and due
+        sending = still_sending is not None and still_sending()
         return (float(self._poll_resize()), float(preempted), float(checkpoint_due), float(replicate_due),
-                float(still_sending))
+                float(sending))
 
     def update(self, summed: list[float]) -> None:
         resize, preempt, due, replicate, sending = summed
         self.resize_requested, self.preempt_requested, self.checkpoint_due = resize > 0, preempt > 0, due > 0
         # Every rank replicates the same steps (a restore needs a whole set), none waits for a send:
         # a step some rank is still sending for is skipped by all.
-        self.replicate_due = replicate > 0 and not sending
-        self.replicate_skipped = replicate > 0 and sending > 0
+        self.any_sending = sending > 0
+        self.replicate_due = replicate > 0 and not self.any_sending
+        self.replicate_skipped = replicate > 0 and self.any_sending
 
     def _poll_resize(self) -> bool:
         """Rank 0: has the controller asked for a save before a planned resize? (never blocks)"""

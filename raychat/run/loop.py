@@ -17,6 +17,7 @@ import resource
 import time
 import uuid
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -317,11 +318,12 @@ def _train(config: WorkerRunConfig) -> None:
         metrics: dict[str, Any] = {}
 
         # mirror the state in peer memory when rank 0 asked at the last step's all-reduce (every
-        # --replicate-every steps, or its auto choice; a step some rank was still sending for is
-        # skipped by all), and at the last step before its evaluation, which a node lost meanwhile
-        # then repeats without retraining (a copy to host memory, sent in the background)
+        # --replicate-every steps, or its auto choice; a step some rank was still sending for at that
+        # all-reduce is skipped by all), and at the last step before its evaluation, which a node
+        # lost meanwhile then repeats without retraining (a copy to host memory, sent in the
+        # background)
         if w.replicator is not None and state.step != first_step:
-            if last_step or signals.replicate_due:
+            if (last_step and not signals.any_sending) or signals.replicate_due:
                 with clock("checkpoint"):
                     replicate(w, state)
             elif signals.replicate_skipped:
@@ -374,9 +376,9 @@ def _train(config: WorkerRunConfig) -> None:
                           and w.replicator.wanted(state.step + 1, first_step, signals.step_s))
         next_step = state.step + 1  # an evaluation or the last step next: a notice's save goes first
         busy_next = any(_evaluations_due(cfg, next_step, next_step >= num_iterations))
-        flags = signals.local_flags(save_next, busy_next=busy_next, replicate_due=replicate_next,
-                                    still_sending=w.replicator is not None and w.replicator.sending)
-        result = train_step(w, state.step, also_sum=flags)
+        flags = partial(signals.local_flags, save_next, busy_next=busy_next, replicate_due=replicate_next,
+                        still_sending=w.replicator.sending if w.replicator is not None else None)
+        result = train_step(w, state.step, also_sum=flags)  # asked at the all-reduce
         signals.update(result.summed)
         signals.step_s = result.dt
         if cadence is not None:

@@ -193,9 +193,9 @@ class Replicator:
         that is not finite is never sent (its holders keep the last good one, as storage does). A
         replica a holder did not take (its node going, Ray's object store full) is a warning: the
         loop goes on, with the durable checkpoints. The steps' flags skip a step while any rank is
-        still sending (`skipped`); the last step, replicated unasked, is skipped here by a rank whose
-        send is still going (a slow or hung holder: up to HOLDER_CALL_S), never waited for."""
-        if self.sending:
+        still sending (`skipped`), so a send in flight here is a fault of the caller's: it is said,
+        never waited for (a slow or hung holder takes up to HOLDER_CALL_S)."""
+        if self.sending():
             self.warn(f"memory replica of step {replica.step} skipped: the one of step {self.last_step} is "
                       "still being sent (a slow or unresponsive holder); training does not wait for it")
             return
@@ -220,8 +220,8 @@ class Replicator:
         self.writer.submit("memory replicas", replica.pieces, send)
         self.last_step = replica.step
 
-    @property
     def sending(self) -> bool:
+        """Whether this rank's last replica is still being put and handed to its holders."""
         return not self.writer.done()
 
     def wanted(self, step: int, first_step: int, step_s: float) -> bool:

@@ -11,7 +11,7 @@ function.
 """
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,8 +71,11 @@ def set_schedules(optimizer: ShardedOptimizer, cfg: TrainConfig, plan: Plan, ste
     return lrm
 
 
-def train_step(c: StepComponents, step: int, also_sum: Sequence[float] = ()) -> StepResult:
-    """One optimizer step over this rank's rows. `also_sum` rides on the loss's all-reduce."""
+def train_step(c: StepComponents, step: int,
+               also_sum: Sequence[float] | Callable[[], Sequence[float]] = ()) -> StepResult:
+    """One optimizer step over this rank's rows. `also_sum` rides on the loss's all-reduce; a callable
+    is asked just before it, after the optimizer step (what it says has seen the step's time go by:
+    whether a send begun before the step has finished)."""
     t0 = time.perf_counter()
     x_all, y_all = c.loader.next_rows(c.micro_slices[-1].stop)
     data_wait = time.perf_counter() - t0
@@ -88,8 +91,9 @@ def train_step(c: StepComponents, step: int, also_sum: Sequence[float] = ()) -> 
     c.optimizer.step()
     c.model.zero_grad(set_to_none=True)
     stats = loss_sum.reshape(1)
-    if also_sum:
-        stats = torch.cat([stats, torch.tensor(list(also_sum), dtype=torch.float32).to(c.device)])
+    extra = also_sum() if callable(also_sum) else also_sum
+    if extra:
+        stats = torch.cat([stats, torch.tensor(list(extra), dtype=torch.float32).to(c.device)])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
     loss_total, *summed = stats.tolist()  # the step's one host sync
