@@ -13,7 +13,7 @@ from raychat.checkpoint.meta import LoopState
 from raychat.config import TrainConfig
 from raychat.data.cursor import RankCursor, merge_cursor
 from raychat.model.gpt import GPTConfig
-from raychat.run.cadence import holder_bytes, replica_line
+from raychat.run.cadence import REPLICA_STALL_BUDGET, holder_bytes, replica_line
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.run.elastic import ElasticSignals
 from raychat.run.replicas import (
@@ -239,3 +239,26 @@ def test_every_step_is_replicated_and_a_hung_holder_stalls_none_every_rank_skipp
             replicator.close()
         for holder in holders:
             ray.kill(holder)
+
+
+@pytest.mark.ray
+def test_auto_on_a_cpu_counts_the_sends_cpu_time_not_its_wait_on_the_holders(ray_session):
+    """Training on the host's CPUs, auto weighs what a send takes from training: its CPU time, not
+    its wall time, which is mostly the holders' answer (here a holder that takes 1 s to answer)."""
+    c = _components()
+    holder = _HungHolder.remote(0.0)
+    logs: list[str] = []
+    replicator = Replicator(holder, None, epoch=7, attempt=0, log=logs.append, warn=logs.append, every=0,
+                            sends_compete=True)
+    try:
+        assert ray.get(holder.kept.remote()) == []
+        ray.get(holder.hang.remote(1.0))
+        replicator.replicate(_replica(c.model, c.optimizer, 2))  # the probe
+        replicator.writer.wait()
+        assert replicator.writer.write_seconds >= 1.0 and replicator.send_cpu_s < 0.25
+        assert replicator.auto_due(3, 0, step_s=0.5)  # a d2 state's copy and send: <= 2% of every step
+        assert replicator.every < 1.0 / REPLICA_STALL_BUDGET / 0.5, logs  # not the 100 its wall time gives
+        assert "of CPU" in logs[-1], logs
+    finally:
+        replicator.close()
+        ray.kill(holder)

@@ -29,6 +29,7 @@ Durable checkpoints keep their cadence: they are the truth for a cluster lost wh
 import dataclasses
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -186,6 +187,9 @@ class Replicator:
         self.last_step: int | None = None
         self.failed: str | None = None  # the last send's fault: a lost holder is said, never raised
         self.skipping_since: int | None = None  # the first step skipped while a send was in flight
+        # The last send's CPU time in its thread (serializing, copying into the object store): what
+        # it takes from training on a CPU device; its wall time is mostly waiting on the holders.
+        self.send_cpu_s = 0.0
         self._steps: deque[float] = deque(maxlen=RECENT_STEPS)
 
     def replicate(self, replica: Replica) -> None:
@@ -208,6 +212,7 @@ class Replicator:
             self.failed = None
 
         def send(snapshot: list[Piece]) -> None:
+            started = time.thread_time()
             try:
                 if not all(bool(p.tensor.isfinite().all()) for p in snapshot if p.tensor.is_floating_point()):
                     self.failed = "the weights or optimizer state are not finite"
@@ -216,6 +221,8 @@ class Replicator:
                 ray.get([h.put.remote(ref) for h in self.holders], timeout=HOLDER_CALL_S)
             except Exception as e:  # noqa: BLE001 -- any fault of a copy is said, none ends training
                 self.failed = f"{type(e).__name__}: {e}".splitlines()[0]
+            finally:
+                self.send_cpu_s = time.thread_time() - started
 
         self.writer.submit("memory replicas", replica.pieces, send)
         self.last_step = replica.step
@@ -242,22 +249,22 @@ class Replicator:
 
     def auto_due(self, step: int, first_step: int, step_s: float) -> bool:
         """Rank 0, auto: whether the state before `step` is to be replicated, at the interval chosen
-        from the last replica's copy and send and the median of recent steps (`step_s`: the last one);
-        a change is logged."""
+        from the last finished replica's copy and send and the median of recent steps (`step_s`: the
+        last one); a change is logged. (A send still in flight at the step's all-reduce skips the step
+        on every rank: ElasticSignals.)"""
         if step_s > 0:
             self._steps.append(step_s)
         if self.last_step is None:
             return step >= first_step + PROBE_STEPS
-        if not self.writer.done():  # one replica in flight: the next waits for it, never the loop
-            return False
         median_s = statistics.median(self._steps)
-        needed = replicas_needed(median_s, self.writer.snapshot_seconds, self.writer.write_seconds,
-                                 self.sends_compete)
+        send_s = self.send_cpu_s if self.sends_compete else self.writer.write_seconds
+        needed = replicas_needed(median_s, self.writer.snapshot_seconds, send_s, self.sends_compete)
         every = choose_interval(needed, self.every)
         if every != self.every:
-            copy_s, send_s = self.writer.snapshot_seconds, self.writer.write_seconds
+            copy_s = self.writer.snapshot_seconds
+            sent = f"{1000 * send_s:.0f}ms of CPU" if self.sends_compete else f"in {1000 * send_s:.0f}ms"
             self.log(f"Memory replicas: every {every} step(s) (copy {1000 * copy_s:.0f}ms = "
-                     f"{100 * copy_s / (every * median_s):.1f}% of training, sent in {1000 * send_s:.0f}ms, "
+                     f"{100 * copy_s / (every * median_s):.1f}% of training, sent {sent}, "
                      f"step {1000 * median_s:.0f}ms)")
             self.every = every
         return step - self.last_step >= self.every
