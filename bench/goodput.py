@@ -85,8 +85,8 @@ class FaultEveryNMinutes(ChaosRun):
         return flags[:at] + flags[at + 2:]  # the default: the auto cadence
 
     def inject_faults(self) -> None:
-        """A fault every `every_s` (from the launch, then from each recovery) until the run ends; none
-        for the undisturbed run."""
+        """A fault every `every_s` (from the launch, then from each recovery) until the run nears its
+        end; none for the undisturbed run."""
         if self.kind is None:
             return
         while True:
@@ -95,9 +95,12 @@ class FaultEveryNMinutes(ChaosRun):
                           "the next fault", driver_may_exit=True)
             self.wait_for(lambda: self.healthy_at(0) or self.driver.poll() is not None,
                           "a healthy run", driver_may_exit=True)
-            if self.driver.poll() is not None:
+            step = progress(self.trace).step
+            # A fault in the last steps would land on a run that is ending (it finishes, or redoes its
+            # final evaluation): no recovery to measure.
+            if self.driver.poll() is not None or step >= self.spec.steps - max(10, self.spec.steps // 50):
                 return
-            fault = Fault(self.kind, progress(self.trace).step, self.rng.random())
+            fault = Fault(self.kind, step, self.rng.random())
             self.schedule.append(fault)
             self.bounds.append(loss_bound(self.drivers[-1].read_text()))
             self.inject(fault)
