@@ -16,8 +16,11 @@ import pytest
 from conftest import s3_uri
 
 from raychat.checkpoint.format import list_checkpoints
+from raychat.checkpoint.meta import CheckpointMeta, LoopState
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig
+from raychat.run.driver import PreparedRun, final_report
+from raychat.scaling import resolve_plan
 from raychat.storage import Storage
 from tune.report import SWEEP_SPEC_FILE, load_sweep, one_result_per_step
 from tune.sweep import asha_scheduler, best_trial, build_trials, check_same_grid, main, parse_list, trial_name
@@ -136,6 +139,24 @@ def test_a_restarted_trial_counts_each_step_once():
     assert [(r["step"], r["val_bpb"]) for r in kept] == [(0, 3.0), (4, 2.5), (6, 2.3), (8, 2.2)]
 
 
+def test_the_final_report_of_a_run_at_its_horizon_is_its_last_reports_fields():
+    """What a trial reports for a run that was already at its horizon (raychat.run.driver.final_report:
+    the loop's last report, train_done, from the final checkpoint's loop state)."""
+    trial = build_trials(tiny_base(), [2], [4.0], [], "1", "/runs", vocab_size=512)[0]
+    cfg = TrainConfig.from_dict(trial["train_config"])
+    plan = resolve_plan(cfg, 512, world_size=1)
+    n = plan.num_iterations
+    loop = LoopState(step=n, min_val_bpb=1.4, val_bpb=1.5, core_metric=0.1, total_training_time=3.0,
+                     restarts=2, final_evaluated=True)
+    meta = CheckpointMeta(step=n, model_config=plan.model, world_size=2, loop_state=loop)
+    run = PreparedRun(cfg=cfg, plan=plan, tokenizer=None, index=None, resume_meta=meta)
+    assert final_report(run) == {"step": n, "world_size": 2, "tokens_so_far": plan.total_tokens,
+                                 "flops_so_far": plan.total_flops, "min_val_bpb": 1.4,
+                                 "total_training_time": 3.0, "checkpoint_step": n, "train_done": True,
+                                 "restarts": 2, "resizes": 0, "redone_steps": 0, "val_bpb": 1.5,
+                                 "core_metric": 0.1}
+
+
 def test_resume_refuses_another_grid(tmp_path):
     trials = build_trials(tiny_base(), [2, 3], [4.0], [], "1", "/runs", vocab_size=512)
     sweep_dir = Storage(str(tmp_path / "s"))
@@ -196,7 +217,8 @@ def interrupted_sweep(ray_session, tiny_corpus, s3_endpoint, tmp_path_factory):
     report = subprocess.run([sys.executable, "-m", "tune.report", "--name", "tiny",
                              "--storage-path", storage], capture_output=True, text=True, timeout=120)
     return {"experiment": experiment, "finished_first": finished, "before": before, "first_rc": first_rc,
-            "first_out": first_log.read_text(), "second": second, "report": report}
+            "first_out": first_log.read_text(), "second": second, "report": report, "cmd": cmd,
+            "storage": storage}
 
 
 @pytest.mark.ray
@@ -264,3 +286,31 @@ def test_sweep_writes_table_and_plots_into_the_bucket(interrupted_sweep):
     again = interrupted_sweep["report"]
     assert again.returncode == 0, again.stderr[-2000:]
     assert "d4_r0.004" in again.stdout and report.location.split("?")[0] in again.stdout
+
+
+def _copy_tree(source: Storage, target: Storage) -> None:
+    for f in source.files():
+        target.write_bytes(f.base_name, source.read_bytes(f.base_name))
+    for sub in source.subdirs():
+        _copy_tree(source.child(sub), target.child(sub))
+
+
+@pytest.mark.ray
+def test_a_trial_whose_run_is_done_already_ends_finished_with_its_final_result(ray_session,
+                                                                              interrupted_sweep):
+    """A sweep interrupted after a trial's final save but before Tune recorded its final report runs
+    the trial again on resume, and its run has nothing left to train. Made certain here: d2's finished
+    run is copied into a new sweep's runs, whose one trial then trains nothing and still ends
+    'finished' with the run's final val bpb (not 'stopped early' without it)."""
+    s = interrupted_sweep
+    done = s["experiment"].child("runs", "d2_r0.004")
+    _copy_tree(done, Storage(s["storage"]).child("done", "runs", "d2_r0.004"))
+    cmd = list(s["cmd"])
+    cmd[cmd.index("--depths") + 1], cmd[cmd.index("--name") + 1] = "2", "done"
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ray_session.driver_env())
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "nothing to train" in out.stdout + out.stderr
+    (trial,) = load_sweep(Storage(s["storage"]).child("done").location)
+    (original,) = [t for t in load_sweep(s["experiment"].location) if t.name == "d2_r0.004"]
+    assert trial.status == "finished"
+    assert trial.last("val_bpb") == original.last("val_bpb") and trial.last("step") == original.last("step")

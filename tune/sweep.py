@@ -30,7 +30,15 @@ import raychat
 from raychat.common import RaychatError, check_name, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.plan import plan_vocab_size
-from raychat.run.driver import connect_ray, fit_run, prepare_inputs, prepare_run, ray_storage, resolve_paths
+from raychat.run.driver import (
+    connect_ray,
+    final_report,
+    fit_run,
+    prepare_inputs,
+    prepare_run,
+    ray_storage,
+    resolve_paths,
+)
 from raychat.scaling import Plan, resolve_plan
 from raychat.storage import Storage, join_uri
 from tune.report import (
@@ -166,6 +174,12 @@ def run_trial(config: dict) -> None:
         # A restored sweep re-runs unfinished trials: each resumes its own run from its checkpoints.
         run = prepare_run(TrainConfig.from_dict(spec["train_config"]))
         fit_run(run, callbacks=[TuneReportCallback()])
+        if run.finished:
+            # The run was at its horizon before this trial ran (a sweep interrupted after the trial's
+            # final save, before Tune recorded its final report): fit_run trained and reported
+            # nothing. Report the final result from the checkpoint, or Tune ends the trial without
+            # it (tune.report: "stopped early", no final val bpb, CORE, tokens or FLOPs).
+            tune.report(final_report(run))
     except RaychatError as e:
         raise RaychatError(f"trial {spec['name']}: {e}") from None
 

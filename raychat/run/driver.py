@@ -367,6 +367,27 @@ def finished_result(run: PreparedRun, log: Log = print) -> FinalResult:
                        core_metric=loop.core_metric)
 
 
+def final_report(run: PreparedRun) -> dict:
+    """The metrics of the final report (raychat.run.loop.report, train_done=True) of a run already at
+    its horizon, from its last checkpoint: the final save follows the final evaluation and CORE, so
+    its loop state holds them (as an attempt restarted after the final save reports them). For a
+    caller that records the run's reports (a Tune trial) when `fit_run` trained nothing: the run may
+    have made its final save after the caller stopped listening (a sweep interrupted then), so the
+    final report was never recorded."""
+    meta, plan = run.resume_meta, run.plan
+    loop = meta.loop_state
+    tokens = meta.step * plan.total_batch_size
+    metrics = dict(step=meta.step, world_size=meta.world_size, tokens_so_far=tokens,
+                   flops_so_far=tokens * plan.flops_per_token, min_val_bpb=loop.min_val_bpb,
+                   total_training_time=loop.total_training_time, checkpoint_step=meta.step, train_done=True,
+                   restarts=loop.restarts, resizes=loop.resizes, redone_steps=loop.redone_steps)
+    if loop.val_bpb is not None:
+        metrics["val_bpb"] = loop.val_bpb
+    if loop.core_metric is not None:
+        metrics["core_metric"] = loop.core_metric
+    return metrics
+
+
 def hold_run(run: PreparedRun, log: Log = print) -> RunLease:
     """Take the run's lease (the next epoch, created atomically: raychat.run.lease), then choose
     again under it what to resume from: the choice made before the run was held may be stale (a
