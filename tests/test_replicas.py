@@ -154,9 +154,16 @@ def test_a_holder_keeps_two_steps_and_gives_the_state_back_bit_for_bit(ray_sessi
         apply_share(share, again.model, again.optimizer, 1, CPU)
         assert_bitwise_equal(again.model.state_dict(), expected_model)
         assert not logs
-        # Read from the holder that is gone (the first listed, with no local one), the set is lost.
+        # With no local holder, the first listed is read first: it is gone, so the other copy is read.
+        other = _components()
+        share = restore.load(lambda reader: read_share(reader, other.model, other.optimizer, 1, 0))
+        apply_share(share, other.model, other.optimizer, 1, CPU)
+        assert_bitwise_equal(other.model.state_dict(), expected_model)
+        assert not logs
+        # Both copies gone: the set is lost, and every rank resumes from storage.
+        ray.kill(peer)
         assert restore.load(lambda reader: read_share(reader, fresh_model, fresh_optimizer, 1, 0)) is None
-        assert logs and "resuming from storage" in logs[-1]
+        assert logs and "could not be read whole" in logs[-1] and "resuming from storage" in logs[-1]
     finally:
         ray.kill(holder)
         ray.kill(peer)

@@ -2,6 +2,7 @@
 corpus either continue correctly or are refused in one line before any worker starts, and no
 checkpoint is lost to them."""
 
+import json
 import os
 import re
 import shutil
@@ -11,6 +12,7 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
+import ray
 import torch
 from helpers import STEP_LINE, all_files, log_lines, one_error_line, run_train, tiny_flags
 
@@ -28,6 +30,7 @@ from raychat.model.precision import resolve_precision
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.run.driver import ray_storage
+from raychat.run.elastic import COORDINATOR_FILE
 from raychat.storage import Storage, redact
 
 SECRET_URI = "s3://AKIDEXAMPLE:wJalrXUtnFEMI@bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http"
@@ -128,6 +131,12 @@ def test_reruns_of_a_run_continue_or_are_refused_and_lose_nothing(ray_session, t
                 break
         second = run_train(ray_session, longer, **beat)
         assert "being trained by another driver" in one_error_line(second)
+        # The paused driver's coordinator owns the replica holders: their memory must not stay held
+        # beside the taker's while it sleeps.
+        record = json.loads(run.read_bytes(COORDINATOR_FILE))
+        paused_coordinator = ray.get_actor(record["name"], namespace=record["namespace"])
+        paused_holders = list(ray.get(paused_coordinator.replica_holders.remote([])).values())
+        assert paused_holders
         paused.send_signal(signal.SIGSTOP)
         taker = subprocess.Popen([sys.executable, "-m", "raychat.train", *longer], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, env=ray_session.driver_env(**beat))
@@ -137,6 +146,11 @@ def test_reruns_of_a_run_continue_or_are_refused_and_lose_nothing(ray_session, t
             if log_lines(line, STEP_LINE):
                 break
         assert any("is stale" in line and "taking it over" in line for line in taken), "".join(taken)[-3000:]
+        ended = f"took the run over from, with its {len(paused_holders)} replica holder(s)"
+        assert any(ended in line for line in taken), "".join(taken)[-3000:]
+        for call in [paused_coordinator.poll_request, *(holder.nbytes for holder in paused_holders)]:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(call.remote(), timeout=30)
         resumed_at = fence.read_record(run, 3).resumed  # epochs: 1 the first run, 2 paused, 3 taker
         paused.send_signal(signal.SIGCONT)
         out, _ = paused.communicate(timeout=120)

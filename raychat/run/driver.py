@@ -49,7 +49,9 @@ from raychat.run.elastic import (
     NoteRestart,
     PlannedResizeSave,
     RecordReservation,
+    end_previous_coordinator,
     final_result,
+    record_coordinator,
     release_stale_reservation,
     start_coordinator,
     stop_coordinator,
@@ -310,6 +312,7 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     cfg = run.cfg
     start_coordinator(run.session)
+    record_coordinator(run.run_dir, run.session)
     callbacks = list(callbacks or [])
     if len(set(cfg.worker_range())) > 1:  # elastic
         callbacks += [PlannedResizeSave(run.session), FreshClusterView()]
@@ -443,6 +446,7 @@ def fit_run(run: PreparedRun, callbacks: list | None = None) -> FinalResult:
 def _fit(run: PreparedRun, callbacks: list | None) -> FinalResult:
     lease = hold_run(run)
     release_stale_reservation(run.run_dir)
+    end_previous_coordinator(run.run_dir)
     try:
         if run.finished:  # the driver it took over from reached the horizon meanwhile
             return finished_result(run)

@@ -41,6 +41,7 @@ from raychat.storage import Storage
 
 SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
 RESERVATION_FILE = "raychat_reservation.json"  # in the run directory: the controller's resource request
+COORDINATOR_FILE = "raychat_coordinator.json"  # in the run directory: the driver's coordinator actor
 
 
 @dataclass
@@ -170,6 +171,36 @@ def stop_coordinator(session: str) -> None:
     if coordinator is not None:
         with contextlib.suppress(ray.exceptions.RayError):
             ray.kill(coordinator)
+
+
+def record_coordinator(run_dir: Storage, session: str) -> None:
+    """Write down, in the run directory, where the driver holding the run keeps its coordinator, so
+    the driver that takes the run over can end it (`end_previous_coordinator`)."""
+    record = {"name": coordinator_name(session), "namespace": ray.get_runtime_context().namespace}
+    with contextlib.suppress(OSError):  # without the record a takeover only frees less memory
+        run_dir.write_bytes(COORDINATOR_FILE, json.dumps(record).encode())
+
+
+def end_previous_coordinator(run_dir: Storage, log: Callable[[str], None] = print) -> None:
+    """End the coordinator of the driver this one took the run over from, and with it the replica
+    holders it owns. A driver that died took them along; one that is paused (a long GC, a partition)
+    still owns them, and their memory (its ranks' replicas, twice over) would stay held on the nodes
+    the new group trains on until it woke. Called by a driver that holds the run's lease, before it
+    starts its own coordinator: the previous one's replicas are of a superseded epoch, never restored."""
+    try:
+        record = json.loads(run_dir.read_bytes(COORDINATOR_FILE))
+        coordinator = ray.get_actor(record["name"], namespace=record["namespace"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no record, or its driver ended and took its coordinator along
+    try:
+        holders = list(ray.get(coordinator.replica_holders.remote([]), timeout=10).values())
+        held = sum(ray.get([holder.nbytes.remote() for holder in holders], timeout=10))
+    except ray.exceptions.RayError:
+        holders, held = [], 0  # ending it is what matters; the line only says less
+    with contextlib.suppress(ray.exceptions.RayError):
+        ray.kill(coordinator)
+    log(f"Ended the coordinator of the driver this one took the run over from, with its {len(holders)} "
+        f"replica holder(s) ({held / 2**20:.1f} MiB of memory freed)")
 
 
 def final_result(session: str) -> FinalResult | None:
@@ -390,5 +421,11 @@ class ElasticSignals:
         ready, _ = ray.wait([self.save_request], timeout=0)
         if not ready:
             return False
-        requested, self.save_request = ray.get(ready[0]), None
-        return bool(requested)
+        self.save_request = None
+        try:
+            return bool(ray.get(ready[0]))
+        except ray.exceptions.RayActorError:
+            # Ended by the driver that took the run over (`end_previous_coordinator`): nothing will
+            # ask for a save; the lease's fence stops these workers at their next save.
+            self.coordinator = None
+            return False

@@ -295,8 +295,9 @@ class MemoryReader:
         self.directory = f"peer memory (step {key[0]})"
         self.key, self.extra = key, extra
         self.tensors: dict[str, dict] = {}
-        # A piece two holders keep is read from this rank's own node's (`local`): through the node's
-        # shared memory, not the network.
+        self.failed: set[Any] = set()  # holders that died or hung on a read: the other copy is read
+        # A piece two holders keep is read from this rank's own node's (`local`) first: through the
+        # node's shared memory, not the network.
         pairs = sorted(zip(holders, found, strict=True), key=lambda pair: pair[0] != local)
         for holder, inventory in pairs:
             for replica in inventory:
@@ -305,41 +306,60 @@ class MemoryReader:
                 for name, shape, start, numel, dtype in replica["pieces"]:
                     entry = self.tensors.setdefault(name, {"shape": tuple(shape), "dtype": dtype,
                                                            "pieces": {}})
-                    entry["pieces"].setdefault(start, (numel, holder, replica["rank"]))
+                    entry["pieces"].setdefault(start, []).append((numel, holder, replica["rank"]))
 
     def read_many(self, wanted: list[tuple[str, int, int, tuple[int, ...]]]) -> list[torch.Tensor]:
         """Elements [start, start + numel) of each (name, start, numel, shape) of `wanted`, flat, in
         order: one call to each holder that keeps a part of them (a resume reads hundreds of ranges,
-        and an actor call is milliseconds on a loaded host)."""
-        spans: list[list[tuple[Any, tuple]]] = []  # for each wanted range, its parts: (holder, part)
-        for name, start, numel, shape in wanted:
-            entry = self.tensors.get(name)
-            if entry is None or entry["shape"] != tuple(shape):
-                raise ReplicaLost(f"the replicas have no {name} of shape {tuple(shape)}")
-            stop, covered, parts = start + numel, start, []
-            for piece_start in sorted(entry["pieces"]):
-                piece_numel, holder, rank = entry["pieces"][piece_start]
-                low, high = max(covered, piece_start), min(stop, piece_start + piece_numel)
-                if low < high and low == covered:
-                    parts.append((holder, (rank, name, piece_start, low - piece_start, high - low)))
-                    covered = high
-            if covered != stop:
-                raise ReplicaLost(f"the replicas do not cover elements {covered}..{stop} of {name}")
-            spans.append(parts)
-        by_holder: dict[Any, list[tuple]] = {}
-        for parts in spans:
-            for holder, part in parts:
-                by_holder.setdefault(holder, []).append(part)
-        holders = list(by_holder)
-        answers = ray.get([h.read.remote(self.key, by_holder[h]) for h in holders], timeout=HOLDER_CALL_S)
-        read = {h: iter(answer) for h, answer in zip(holders, answers, strict=True)}
+        and an actor call is milliseconds on a loaded host). A holder that dies or does not answer
+        within HOLDER_CALL_S is read no more: its parts come from the other copy, where one lives."""
+        while True:
+            spans = [self._parts(name, start, numel, shape) for name, start, numel, shape in wanted]
+            by_holder: dict[Any, list[tuple]] = {}
+            for parts in spans:
+                for holder, part in parts:
+                    by_holder.setdefault(holder, []).append(part)
+            refs = {holder: holder.read.remote(self.key, parts) for holder, parts in by_holder.items()}
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=HOLDER_CALL_S)
+            answers = {}
+            for holder, ref in refs.items():
+                try:
+                    if ref in ready:
+                        answers[holder] = iter(ray.get(ref))
+                        continue
+                except ray.exceptions.RayError:
+                    pass
+                self.failed.add(holder)
+            if len(answers) == len(refs):
+                break
         out = []
         for (name, _, _, _), parts in zip(wanted, spans, strict=True):
-            tensors = [next(read[holder]) for holder, _ in parts]
+            tensors = [next(answers[holder]) for holder, _ in parts]
             dtype = self.tensors[name]["dtype"]
             out.append(torch.cat(tensors) if len(tensors) > 1 else tensors[0] if tensors else
                        torch.empty(0, dtype=dtype))
         return out
+
+    def _parts(self, name: str, start: int, numel: int, shape: tuple[int, ...]) -> list[tuple[Any, tuple]]:
+        """The (holder, part) reads that cover one range, each from the first holder of its piece that
+        has not failed."""
+        entry = self.tensors.get(name)
+        if entry is None or entry["shape"] != tuple(shape):
+            raise ReplicaLost(f"the replicas have no {name} of shape {tuple(shape)}")
+        stop, covered, parts = start + numel, start, []
+        for piece_start in sorted(entry["pieces"]):
+            live = [copy for copy in entry["pieces"][piece_start] if copy[1] not in self.failed]
+            if not live:
+                continue
+            piece_numel, holder, rank = live[0]
+            low, high = max(covered, piece_start), min(stop, piece_start + piece_numel)
+            if low < high and low == covered:
+                parts.append((holder, (rank, name, piece_start, low - piece_start, high - low)))
+                covered = high
+        if covered != stop:
+            raise ReplicaLost(f"the replicas do not cover elements {covered}..{stop} of {name}"
+                              + (f" ({len(self.failed)} holder(s) did not answer)" if self.failed else ""))
+        return parts
 
 
 class ReplicaLost(Exception):
