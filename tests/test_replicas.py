@@ -26,6 +26,7 @@ from raychat.run.replicas import (
     peer_nodes,
     replicas_needed,
     retain_only,
+    start_holders,
 )
 from raychat.run.step import train_step
 
@@ -187,6 +188,37 @@ class _HungHolder:
 
     def kept(self) -> list[int]:
         return self.steps
+
+
+@ray.remote(num_cpus=0)
+class _CountingHolder:
+    """A holder that counts how often it is asked whether it is alive."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def nbytes(self) -> int:
+        self.asked += 1
+        return 0
+
+    def times_asked(self) -> int:
+        return self.asked
+
+
+@pytest.mark.ray
+def test_holders_are_started_and_checked_once_per_node_however_many_ranks_it_has(ray_session):
+    """Eight ranks on a node list it eight times: its holder is checked once (a holder just started
+    would otherwise be waited for, on every attempt's set-up path), and a node without one gets one."""
+    here = ray.get_runtime_context().get_node_id()
+    alive, started = _CountingHolder.remote(), {}
+    try:
+        holders = start_holders({here: alive}, [here] * 8)
+        assert holders == {here: alive} and ray.get(alive.times_asked.remote()) == 1
+        start_holders(started, [here] * 8)
+        assert list(started) == [here] and ray.get(started[here].nbytes.remote()) == 0
+    finally:
+        for holder in [alive, *started.values()]:
+            ray.kill(holder)
 
 
 @pytest.mark.ray

@@ -129,8 +129,10 @@ class ReplicaHolder:
 
 def start_holders(existing: dict[str, Any], node_ids: list[str]) -> dict[str, Any]:
     """A holder on each of `node_ids` that has none, or whose holder died (killed for memory, say)
-    while the node lives on (called inside the coordinator, which owns them)."""
-    for node_id in node_ids:
+    while the node lives on (called inside the coordinator, which owns them). Each node once: asked
+    again for a node whose holder it has just started, it would wait for that holder's process to
+    start (seconds, on every attempt's set-up path) to learn that it is alive."""
+    for node_id in dict.fromkeys(node_ids):
         if node_id in existing:
             try:
                 ray.get(existing[node_id].nbytes.remote(), timeout=HOLDER_CALL_S)
