@@ -88,7 +88,8 @@ from raychat.run.lease import RunLease
 def lost(message):
     print("lost: " + message, flush=True)
     os._exit(3)
-RunLease(Storage(sys.argv[1]), heartbeat_s=float(sys.argv[2]), on_lost=lost).acquire(floor=lambda: 0)
+RunLease(Storage(sys.argv[1]), heartbeat_s=float(sys.argv[2]), on_lost=lost,
+         coordinator=("its-namespace", "raychat-coordinator-paused")).acquire(floor=lambda: 0)
 print("held", flush=True)
 time.sleep(600)
 """
@@ -110,6 +111,10 @@ def test_a_paused_holder_is_taken_over_and_stops_once_it_wakes(tmp_path):
         said = []
         taker.acquire(floor=lambda: 0, log=said.append)  # silent for STALE_AFTER_BEATS beats: taken over
         assert any("stale" in line for line in said) and taker.epoch == 2
+        # The record taken over names the paused driver's coordinator (the driver ends it, and its
+        # replica holders: raychat.run.elastic.end_coordinator_taken_over).
+        assert (taker.taken_over.epoch, taker.taken_over.coordinator, taker.taken_over.namespace) == (
+            1, "raychat-coordinator-paused", "its-namespace")
         time.sleep(beat * STALE_AFTER_BEATS)  # the taker beats while the old holder sleeps
         woke = time.monotonic()
         os.kill(holder.pid, signal.SIGCONT)
@@ -125,6 +130,24 @@ def test_a_paused_holder_is_taken_over_and_stops_once_it_wakes(tmp_path):
     assert line.startswith("lost: ") and "lease epoch 2" in line and f"pid {os.getpid()}" in line
     # Within about one heartbeat of waking (generous for a loaded machine: the bound is the beat).
     assert stopped_after < 5 * beat + 2.0, stopped_after
+
+
+def test_a_run_handed_over_cleanly_is_not_taken_over(tmp_path):
+    """A released lease is taken at once, and its driver is no one's to end: it may still be writing
+    its summary."""
+    run = Storage(str(tmp_path / "run"))
+    first = RunLease(run, heartbeat_s=0.3, coordinator=("ns", "raychat-coordinator-first"))
+    first.acquire(floor=lambda: 0, log=QUIET)
+    assert first.taken_over is None and fence.read_record(run, 1).coordinator == "raychat-coordinator-first"
+    first.release()
+    second = RunLease(run, heartbeat_s=0.3, coordinator=("ns", "raychat-coordinator-second"))
+    second.acquire(floor=lambda: 0, log=QUIET)
+    try:
+        assert second.epoch == 2 and second.taken_over is None
+        assert (fence.read_record(run, 2).coordinator, fence.read_record(run, 2).namespace) == (
+            "raychat-coordinator-second", "ns")
+    finally:
+        second.release()
 
 
 @pytest.fixture

@@ -2,13 +2,13 @@
 corpus either continue correctly or are refused in one line before any worker starts, and no
 checkpoint is lost to them."""
 
-import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -30,7 +30,6 @@ from raychat.model.precision import resolve_precision
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.run.driver import ray_storage
-from raychat.run.elastic import COORDINATOR_FILE
 from raychat.storage import Storage, redact
 
 SECRET_URI = "s3://AKIDEXAMPLE:wJalrXUtnFEMI@bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http"
@@ -133,8 +132,8 @@ def test_reruns_of_a_run_continue_or_are_refused_and_lose_nothing(ray_session, t
         assert "being trained by another driver" in one_error_line(second)
         # The paused driver's coordinator owns the replica holders: their memory must not stay held
         # beside the taker's while it sleeps.
-        record = json.loads(run.read_bytes(COORDINATOR_FILE))
-        paused_coordinator = ray.get_actor(record["name"], namespace=record["namespace"])
+        record = fence.read_record(run, 2)  # epochs: 1 the first run, 2 this one
+        paused_coordinator = ray.get_actor(record.coordinator, namespace=record.namespace)
         paused_holders = list(ray.get(paused_coordinator.replica_holders.remote([])).values())
         assert paused_holders
         paused.send_signal(signal.SIGSTOP)
@@ -146,11 +145,9 @@ def test_reruns_of_a_run_continue_or_are_refused_and_lose_nothing(ray_session, t
             if log_lines(line, STEP_LINE):
                 break
         assert any("is stale" in line and "taking it over" in line for line in taken), "".join(taken)[-3000:]
-        ended = f"took the run over from, with its {len(paused_holders)} replica holder(s)"
+        ended = f"took the run over from (lease epoch 2), with its {len(paused_holders)} replica holder(s)"
         assert any(ended in line for line in taken), "".join(taken)[-3000:]
-        for call in [paused_coordinator.poll_request, *(holder.nbytes for holder in paused_holders)]:
-            with pytest.raises(ray.exceptions.RayActorError):
-                ray.get(call.remote(), timeout=30)
+        assert _ends([paused_coordinator.poll_request, *(holder.nbytes for holder in paused_holders)])
         resumed_at = fence.read_record(run, 3).resumed  # epochs: 1 the first run, 2 paused, 3 taker
         paused.send_signal(signal.SIGCONT)
         out, _ = paused.communicate(timeout=120)
@@ -218,6 +215,61 @@ def test_a_rank_with_another_tokenizer_is_refused_in_one_line(tiny_corpus, tmp_p
     with pytest.raises(RaychatError, match="rank 1 \\(10.0.0.2\\) loads another tokenizer") as err:
         _the_drivers_tokenizer(str(other), drivers, "rank 1 (10.0.0.2)")
     assert str(other) in str(err.value) and "\n" not in str(err.value)
+
+
+def _ends(calls: list, within_s: float = 30.0) -> bool:
+    """Whether each actor method's actor is dead within `within_s` (an owner's death reaches the
+    actors it owns a moment later)."""
+    deadline = time.monotonic() + within_s
+    for call in calls:
+        while True:
+            try:
+                ray.get(call.remote(), timeout=within_s)
+            except ray.exceptions.RayActorError:
+                break
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+    return True
+
+
+@pytest.mark.ray
+def test_only_the_coordinator_a_takeover_names_is_ended(ray_session):
+    """The record of the epoch taken over names its driver's coordinator: that one ends, with its
+    replica holders. A record naming an actor raychat did not start, or none, ends nothing."""
+    import uuid
+
+    from raychat.checkpoint.fence import LeaseRecord
+    from raychat.run.elastic import _LIVE, coordinator_name, end_coordinator_taken_over, start_coordinator
+
+    @ray.remote(num_cpus=0)
+    class Bystander:
+        def replica_holders(self, node_ids: list[str]) -> dict:
+            return {}
+
+    namespace = ray.get_runtime_context().namespace
+    paused, other = uuid.uuid4().hex, uuid.uuid4().hex
+    coordinator, bystander = start_coordinator(paused), Bystander.options(name=f"bystander-{other}").remote()
+    try:
+        holders = ray.get(coordinator.replica_holders.remote([ray.get_runtime_context().get_node_id()]))
+        ray.get([holder.nbytes.remote() for holder in holders.values()])  # up
+        record = LeaseRecord(epoch=4, holder="h", host="host", pid=1, started="then", floor=0)
+        said: list[str] = []
+        for foreign in (None, f"bystander-{other}", coordinator_name(other)):
+            record.coordinator, record.namespace = foreign, namespace
+            end_coordinator_taken_over(record, log=said.append)
+        end_coordinator_taken_over(None, log=said.append)  # a clean hand-over
+        assert not said and ray.get(bystander.replica_holders.remote([])) == {}
+        assert ray.get(coordinator.poll_request.remote()) is False  # still alive
+
+        record.coordinator = coordinator_name(paused)
+        end_coordinator_taken_over(record, log=said.append)
+        assert said == ["Ended the coordinator of the driver this one took the run over from (lease epoch "
+                        "4), with its 1 replica holder(s) (0.0 MiB of memory freed)"]
+        assert _ends([coordinator.poll_request, *(holder.nbytes for holder in holders.values())])
+    finally:
+        _LIVE.pop(paused, None)
+        ray.kill(bystander)
 
 
 @pytest.mark.ray

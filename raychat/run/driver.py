@@ -49,9 +49,9 @@ from raychat.run.elastic import (
     NoteRestart,
     PlannedResizeSave,
     RecordReservation,
-    end_previous_coordinator,
+    coordinator_name,
+    end_coordinator_taken_over,
     final_result,
-    record_coordinator,
     release_stale_reservation,
     start_coordinator,
     stop_coordinator,
@@ -312,7 +312,6 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     cfg = run.cfg
     start_coordinator(run.session)
-    record_coordinator(run.run_dir, run.session)
     callbacks = list(callbacks or [])
     if len(set(cfg.worker_range())) > 1:  # elastic
         callbacks += [PlannedResizeSave(run.session), FreshClusterView()]
@@ -397,7 +396,8 @@ def hold_run(run: PreparedRun, log: Log = print) -> RunLease:
     driver it took over from went on saving while it waited). The choice is recorded in the lease,
     so checkpoints an older epoch writes after this point (a superseded writer's late save, an
     abandoned branch) are never chosen or kept."""
-    lease = RunLease(run.run_dir, on_lost=_interrupt_fit(run))
+    lease = RunLease(run.run_dir, on_lost=_interrupt_fit(run),
+                     coordinator=(ray.get_runtime_context().namespace, coordinator_name(run.session)))
     lease.acquire(floor=lambda: highest_sequence(run.run_dir), log=log)
     try:
         chosen = run.resume_from.name if run.resume_from is not None else None
@@ -445,9 +445,9 @@ def fit_run(run: PreparedRun, callbacks: list | None = None) -> FinalResult:
 
 def _fit(run: PreparedRun, callbacks: list | None) -> FinalResult:
     lease = hold_run(run)
-    release_stale_reservation(run.run_dir)
-    end_previous_coordinator(run.run_dir)
     try:
+        release_stale_reservation(run.run_dir)
+        end_coordinator_taken_over(lease.taken_over)
         if run.finished:  # the driver it took over from reached the horizon meanwhile
             return finished_result(run)
         trainer = build_trainer(run, callbacks=callbacks)

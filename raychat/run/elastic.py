@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raychat.checkpoint.fence import LeaseRecord
 from raychat.records import Record
 from raychat.run.ray_internals import (
     AUTOSCALING_COORDINATOR,
@@ -41,7 +42,6 @@ from raychat.storage import Storage
 
 SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
 RESERVATION_FILE = "raychat_reservation.json"  # in the run directory: the controller's resource request
-COORDINATOR_FILE = "raychat_coordinator.json"  # in the run directory: the driver's coordinator actor
 
 
 @dataclass
@@ -173,34 +173,29 @@ def stop_coordinator(session: str) -> None:
             ray.kill(coordinator)
 
 
-def record_coordinator(run_dir: Storage, session: str) -> None:
-    """Write down, in the run directory, where the driver holding the run keeps its coordinator, so
-    the driver that takes the run over can end it (`end_previous_coordinator`)."""
-    record = {"name": coordinator_name(session), "namespace": ray.get_runtime_context().namespace}
-    with contextlib.suppress(OSError):  # without the record a takeover only frees less memory
-        run_dir.write_bytes(COORDINATOR_FILE, json.dumps(record).encode())
-
-
-def end_previous_coordinator(run_dir: Storage, log: Callable[[str], None] = print) -> None:
-    """End the coordinator of the driver this one took the run over from, and with it the replica
-    holders it owns. A driver that died took them along; one that is paused (a long GC, a partition)
-    still owns them, and their memory (its ranks' replicas, twice over) would stay held on the nodes
-    the new group trains on until it woke. Called by a driver that holds the run's lease, before it
-    starts its own coordinator: the previous one's replicas are of a superseded epoch, never restored."""
+def end_coordinator_taken_over(taken_over: LeaseRecord | None, log: Callable[[str], None] = print) -> None:
+    """End the coordinator of the driver this one took the run over from (`RunLease.taken_over`: its
+    epoch's record, which names it), and with it the replica holders it owns. A driver that died
+    took them along; one that is paused (a long GC, a partition) still owns them, and their memory
+    (its ranks' replicas, twice over) would stay held on the nodes the new group trains on until it
+    woke. Their replicas are of a superseded epoch, never restored. A driver that released the run
+    is never taken over from: its coordinator is its own business until it exits."""
+    if taken_over is None or not (taken_over.coordinator or "").startswith(coordinator_name("")):
+        return  # a clean hand-over, a driver outside Ray, or a record raychat did not write
     try:
-        record = json.loads(run_dir.read_bytes(COORDINATOR_FILE))
-        coordinator = ray.get_actor(record["name"], namespace=record["namespace"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # no record, or its driver ended and took its coordinator along
+        coordinator = ray.get_actor(taken_over.coordinator, namespace=taken_over.namespace)
+    except (ValueError, TypeError, ray.exceptions.RayError):
+        return  # its driver ended and took it along
     try:
         holders = list(ray.get(coordinator.replica_holders.remote([]), timeout=10).values())
         held = sum(ray.get([holder.nbytes.remote() for holder in holders], timeout=10))
-    except ray.exceptions.RayError:
-        holders, held = [], 0  # ending it is what matters; the line only says less
+    except Exception:  # noqa: BLE001 (ending it is what matters; the line only says less)
+        holders, held = [], 0
     with contextlib.suppress(ray.exceptions.RayError):
         ray.kill(coordinator)
-    log(f"Ended the coordinator of the driver this one took the run over from, with its {len(holders)} "
-        f"replica holder(s) ({held / 2**20:.1f} MiB of memory freed)")
+    log(f"Ended the coordinator of the driver this one took the run over from (lease epoch "
+        f"{taken_over.epoch}), with its {len(holders)} replica holder(s) ({held / 2**20:.1f} MiB of memory "
+        "freed)")
 
 
 def final_result(session: str) -> FinalResult | None:

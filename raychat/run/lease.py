@@ -40,12 +40,16 @@ class RunLease:
     """The lease of one driver on one run directory: `acquire`, `record_resume`, train, `release`."""
 
     def __init__(self, run_dir: Storage, heartbeat_s: float | None = None,
-                 on_lost: Callable[[str], None] | None = None):
+                 on_lost: Callable[[str], None] | None = None, coordinator: tuple[str, str] | None = None):
+        """`coordinator`: (Ray namespace, actor name) of this driver's run coordinator, written into
+        its epoch's record for the driver that may take the run over from it (`taken_over`)."""
         self.run_dir = run_dir
+        self.coordinator = coordinator
         self.heartbeat_s = heartbeat_s or float(os.environ.get("RAYCHAT_LEASE_HEARTBEAT_S") or HEARTBEAT_S)
         self.on_lost = on_lost
         self.record: LeaseRecord | None = None
         self.lost: str | None = None  # why this driver no longer holds the run, once it does not
+        self.taken_over: LeaseRecord | None = None  # the silent holder's record, when acquired from one
         self._holder = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -57,8 +61,9 @@ class RunLease:
     def _describe(self, record: LeaseRecord) -> str:
         return f"host {record.host}, pid {record.pid}, since {record.started}, lease epoch {record.epoch}"
 
-    def _wait_for_silence(self, seen: LeaseRecord, log: Callable[[str], None]) -> None:
-        """Return once `seen`'s holder has been silent for STALE_AFTER_BEATS beats; raise if it beats."""
+    def _wait_for_silence(self, seen: LeaseRecord, log: Callable[[str], None]) -> LeaseRecord | None:
+        """`seen`, once its holder has been silent for STALE_AFTER_BEATS beats (None if it released
+        the run meanwhile); raise if it beats."""
         log(f"Run {self.run_dir} is held by a driver ({self._describe(seen)}): checking whether it is alive "
             f"({STALE_AFTER_BEATS * self.heartbeat_s:.0f} s)")
         deadline = time.monotonic() + STALE_AFTER_BEATS * self.heartbeat_s
@@ -68,12 +73,13 @@ class RunLease:
             now = fence.read_record(self.run_dir, newest, log=log)
             if now.epoch != seen.epoch or now.beat != seen.beat:
                 if now.released:
-                    return
+                    return None
                 raise RaychatError(
                     f"run {self.run_dir} is being trained by another driver ({self._describe(now)}): wait "
                     "for it to end or stop it (`ray job stop`, Ctrl-C on a local run), or choose another "
                     "--run-name")
         log(f"The lease on {self.run_dir} is stale (no heartbeat from epoch {seen.epoch}): taking it over")
+        return seen
 
     def acquire(self, floor: Callable[[], int], log: Callable[[str], None] = print) -> None:
         """Hold the run (a new epoch), or raise one RaychatError line naming the driver that does.
@@ -81,17 +87,20 @@ class RunLease:
         before the epoch is created (a holder being taken over may still be saving)."""
         found = fence.epochs(self.run_dir, log=log)
         newest = found[-1] if found else 0
+        stale = None
         if newest:
             seen = fence.read_record(self.run_dir, newest, log=log)
             if not seen.released:
-                self._wait_for_silence(seen, log)
+                stale = self._wait_for_silence(seen, log)
+        namespace, coordinator = self.coordinator or (None, None)
         record = LeaseRecord(epoch=newest + 1, holder=self._holder, host=socket.gethostname(),
-                             pid=os.getpid(), started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), floor=floor())
+                             pid=os.getpid(), started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), floor=floor(),
+                             coordinator=coordinator, namespace=namespace)
         if not fence.create_record(self.run_dir, record):
             winner = fence.read_record(self.run_dir, record.epoch, log=log)
             raise RaychatError(f"run {self.run_dir} was just taken by another driver "
                                f"({self._describe(winner)}): wait for it to end or choose another --run-name")
-        self.record = record
+        self.record, self.taken_over = record, stale
         self._thread = threading.Thread(target=self._heartbeat, name="raychat-lease", daemon=True)
         self._thread.start()
 
