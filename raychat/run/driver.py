@@ -315,7 +315,7 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
     callbacks = list(callbacks or [])
     if len(set(cfg.worker_range())) > 1:  # elastic
         callbacks += [PlannedResizeSave(run.session), FreshClusterView()]
-    callbacks += [RecordReservation(run.run_dir.location), NoteRestart(run.session)]
+    callbacks += [RecordReservation(run.run_dir.location, run.lease_epoch), NoteRestart(run.session)]
     run_kwargs = dict(name=cfg.name, failure_config=FailureConfig(max_failures=cfg.max_failures),
                       callbacks=callbacks, logging_config=train_logging(), **ray_storage(cfg.storage_path))
     run_kwargs.update(run_config_overrides or {})
@@ -446,7 +446,7 @@ def fit_run(run: PreparedRun, callbacks: list | None = None) -> FinalResult:
 def _fit(run: PreparedRun, callbacks: list | None) -> FinalResult:
     lease = hold_run(run)
     try:
-        release_stale_reservation(run.run_dir)
+        release_stale_reservation(run.run_dir, lease.taken_over)
         end_coordinator_taken_over(lease.taken_over)
         if run.finished:  # the driver it took over from reached the horizon meanwhile
             return finished_result(run)

@@ -279,24 +279,33 @@ class RecordReservation(ControllerCallback):
     resources reserved for it until it expires, 180 s later. A relaunched run then sees "ready
     resources for 0 workers" on a cluster sized for it and waits those minutes (174 s against 34 s
     with the request released, 2-node cluster, bench/RESULTS.md "Chaos"). The next driver of the
-    run, holding its lease, releases what this file names (`release_stale_reservation`)."""
+    run, holding its lease, releases what this file names (`release_stale_reservation`), when it
+    took the run over from this controller's driver (the file says its lease epoch)."""
 
-    def __init__(self, run_dir: str):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: str, lease_epoch: int):
+        self.run_dir, self.lease_epoch = run_dir, lease_epoch
 
     def after_controller_start(self, train_run_context) -> None:
-        record = {"requester": train_requester_id(train_run_context.run_id)}
+        record = {"requester": train_requester_id(train_run_context.run_id), "epoch": self.lease_epoch}
         with contextlib.suppress(OSError):  # without the record a relaunch only waits longer
             Storage(self.run_dir).write_bytes(RESERVATION_FILE, json.dumps(record).encode())
 
 
-def release_stale_reservation(run_dir: Storage, log: Callable[[str], None] = print) -> None:
-    """Cancel the resource request a previous controller of this run left behind. Called by a
-    driver that holds the run's lease, so no live controller of the run owns that request."""
+def release_stale_reservation(run_dir: Storage, taken_over: LeaseRecord | None,
+                              log: Callable[[str], None] = print) -> None:
+    """Cancel the resource request the controller of the driver this one took the run over from
+    (`RunLease.taken_over`) left behind. A driver that released the run had its controller cancel
+    its own; a record of another epoch is not this takeover's (a superseded driver that wakes must
+    not release its successor's)."""
+    if taken_over is None:
+        return
     try:
-        requester = json.loads(run_dir.read_bytes(RESERVATION_FILE))["requester"]
+        record = json.loads(run_dir.read_bytes(RESERVATION_FILE))
+        requester, epoch = record["requester"], record["epoch"]
     except (OSError, ValueError, KeyError, TypeError):
         return  # no previous controller recorded one
+    if epoch != taken_over.epoch:
+        return
     try:
         coordinator = autoscaling_coordinator()
         held = ray.get(coordinator.get_reserved_resources.remote(requester), timeout=10)
