@@ -429,7 +429,7 @@ class ElasticSignals:
         try:
             return bool(ray.get(ready[0]))
         except ray.exceptions.RayActorError:
-            # Ended by the driver that took the run over (`end_previous_coordinator`): nothing will
+            # Ended by the driver that took the run over (`end_coordinator_taken_over`): nothing will
             # ask for a save; the lease's fence stops these workers at their next save.
             self.coordinator = None
             return False
