@@ -65,7 +65,8 @@ from raychat.model.gpt import GPTConfig, build_model
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.run.cadence import holder_bytes
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
-from raychat.run.replicas import MemoryRestore, Replica, ReplicaHolder, Replicator
+from raychat.run.holders import Replica, ReplicaHolder
+from raychat.run.replicas import MemoryRestore, Replicator
 from raychat.scaling import resolve_plan
 from raychat.storage import Storage
 

@@ -92,7 +92,8 @@ def test_a_notice_is_saved_as_late_as_the_save_allows():
 
 
 def test_each_kind_of_restart_gets_its_own_line():
-    from raychat.run.elastic import Attempt, describe_attempt
+    from raychat.run.coordinator import Attempt
+    from raychat.run.elastic import describe_attempt
 
     def previous(**kw):
         return Attempt(**{"attempt": 1, "last_step": 29, "world_size": 3, "planned_step": None,

@@ -112,7 +112,7 @@ def test_a_paused_holder_is_taken_over_and_stops_once_it_wakes(tmp_path):
         taker.acquire(floor=lambda: 0, log=said.append)  # silent for STALE_AFTER_BEATS beats: taken over
         assert any("stale" in line for line in said) and taker.epoch == 2
         # The record taken over names the paused driver's coordinator (the driver ends it, and its
-        # replica holders: raychat.run.elastic.end_coordinator_taken_over).
+        # replica holders: raychat.run.coordinator.end_coordinator_taken_over).
         assert (taker.taken_over.epoch, taker.taken_over.coordinator, taker.taken_over.namespace) == (
             1, "raychat-coordinator-paused", "its-namespace")
         time.sleep(beat * STALE_AFTER_BEATS)  # the taker beats while the old holder sleeps

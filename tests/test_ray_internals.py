@@ -133,3 +133,26 @@ def test_rays_preemption_watcher_is_still_created_so():
             "object store and max_restarts > 0. If the arguments in the object store go out of scope or are "
             "lost, the actor restart will fail.")
     assert _module("raychat.run.ray_internals").PREEMPTION_WATCHER_ARGS.search(line)
+
+
+def test_a_trainer_without_datasets_starts_no_ray_data_manager():
+    """raychat's trainer drops Ray Train's DatasetsCallback (a DatasetManager actor per attempt) when it
+    was given no datasets, and keeps it when it was: the hook it overrides still lists that callback."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raychat.run.driver import RaychatTrainer
+
+    _require(TorchTrainer, "_create_default_callbacks", "ray.train.v2 DataParallelTrainer")
+    datasets_callback = _require(_module("ray.train.v2._internal.callbacks"), "DatasetsCallback",
+                                 "ray.train.v2._internal.callbacks")
+
+    def kinds(trainer_class: type, **kw) -> list[type]:
+        trainer = trainer_class(lambda: None, scaling_config=ScalingConfig(num_workers=1), **kw)
+        return [type(c) for c in trainer._create_default_callbacks()]
+
+    assert datasets_callback in kinds(TorchTrainer), f"Ray's trainer no longer sets up datasets so ({NEEDED})"
+    assert datasets_callback not in kinds(RaychatTrainer)
+    assert kinds(RaychatTrainer) == [k for k in kinds(TorchTrainer) if k is not datasets_callback]
+    # (a dataset factory, called only when an attempt starts: building a Dataset would start Ray here)
+    assert datasets_callback in kinds(RaychatTrainer, datasets={"train": lambda: None})

@@ -14,7 +14,7 @@ from raychat.corpus.index import CorpusRecord
 from raychat.data.cursor import Cursor, RankCursor
 from raychat.model.gpt import GPTConfig
 from raychat.records import Record, RecordError
-from raychat.run.elastic import Attempt, FinalResult
+from raychat.run.coordinator import Attempt, FinalResult
 from raychat.scaling import resolve_plan
 
 FLAGS = TrainConfig(depth=2, max_seq_len=32, device_batch_size=4, total_batch_size=256, num_iterations=8,

@@ -2,7 +2,10 @@
 how often auto replicates, and a real holder actor that keeps two steps and gives the state back bit
 for bit through the sharded reader's interface. A node lost mid-run is in tests/test_elastic.py."""
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -16,17 +19,15 @@ from raychat.model.gpt import GPTConfig
 from raychat.run.cadence import REPLICA_STALL_BUDGET, holder_bytes, replica_line
 from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.run.elastic import ElasticSignals
+from raychat.run.holders import Replica, ReplicaHolder, start_holders
 from raychat.run.replicas import (
     MemoryRestore,
-    Replica,
-    ReplicaHolder,
     Replicator,
     choose_interval,
     choose_set,
     peer_nodes,
     replicas_needed,
     retain_only,
-    start_holders,
 )
 from raychat.run.step import train_step
 
@@ -176,6 +177,8 @@ class _HungHolder:
     answering for a while)."""
 
     def __init__(self, hang_s: float):
+        import torch  # noqa: F401  (as a real holder loads it when it starts: raychat.run.holders)
+
         self.hang_s, self.steps = hang_s, []
 
     def hang(self, seconds: float) -> None:
@@ -303,3 +306,17 @@ def test_auto_on_a_cpu_counts_the_sends_cpu_time_not_its_wait_on_the_holders(ray
     finally:
         replicator.close()
         ray.kill(holder)
+
+
+def test_the_processes_on_a_runs_start_path_import_no_torch():
+    """The run's coordinator and its replica holders are processes an attempt starts (each node's
+    holder, the coordinator at a run's start), and the controller's process imports raychat's
+    callbacks: on a 2-core node each torch import is 1.5-3 s of CPU the worker group's start waits
+    behind. Their modules must not import it (a holder loads it with its first replica)."""
+    code = ("import sys, raychat.run.coordinator, raychat.run.holders, raychat.run.elastic\n"
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False"], "torch was imported"
+

@@ -240,7 +240,7 @@ def test_only_the_coordinator_a_takeover_names_is_ended(ray_session):
     import uuid
 
     from raychat.checkpoint.fence import LeaseRecord
-    from raychat.run.elastic import _LIVE, coordinator_name, end_coordinator_taken_over, start_coordinator
+    from raychat.run.coordinator import _LIVE, coordinator_name, end_coordinator_taken_over, start_coordinator
 
     @ray.remote(num_cpus=0)
     class Bystander:
@@ -273,6 +273,50 @@ def test_only_the_coordinator_a_takeover_names_is_ended(ray_session):
 
 
 @pytest.mark.ray
+def test_a_takeover_releases_only_the_reservation_of_the_epoch_it_took_over(ray_session, tmp_path):
+    """The run directory's reservation record (RecordReservation) says which lease epoch's controller
+    holds a request with Ray's autoscaling coordinator. A driver releases it only when it took the run
+    over from that epoch: a clean hand-over, or a superseded driver that wakes holding an older epoch's
+    record, must not cancel the request of a controller still training."""
+    import json
+    import uuid
+
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    from raychat.checkpoint.fence import LeaseRecord
+    from raychat.run.elastic import RESERVATION_FILE, release_stale_reservation
+
+    coordinator = get_or_create_autoscaling_coordinator()
+    requester = f"train-{uuid.uuid4().hex}"
+
+    def held() -> dict:
+        return ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True), timeout=30)
+
+    ray.get(coordinator.request_resources.remote(requester_id=requester, resources=[{"CPU": 1}],
+                                                 expire_after_s=300), timeout=30)
+    try:
+        assert held()
+        run_dir = Storage(str(tmp_path))
+        run_dir.write_bytes(RESERVATION_FILE, json.dumps({"requester": requester, "epoch": 2}).encode())
+        said: list[str] = []
+        for taken_over in (None, 1, 3):  # a clean hand-over; a driver that took over another epoch
+            record = None if taken_over is None else LeaseRecord(epoch=taken_over, holder="h", host="host",
+                                                                 pid=1, started="then", floor=0)
+            release_stale_reservation(run_dir, record, log=said.append)
+        assert held() and not said
+
+        epoch_2 = LeaseRecord(epoch=2, holder="h", host="host", pid=1, started="then", floor=0)
+        release_stale_reservation(run_dir, epoch_2, log=said.append)
+        assert not held()
+        assert said == [f"Released the resources Ray still reserved for this run's previous controller "
+                        f"({requester}, 1 node(s)): its driver ended without releasing them"]
+    finally:
+        ray.get(coordinator.cancel_request.remote(requester), timeout=30)
+
+
+@pytest.mark.ray
 def test_resize_requests_belong_to_one_attempt_and_the_last_step_answers_them(ray_session):
     """The run's real coordinator actor and the controller's real callback: a request the old group
     never answered is dropped by the next attempt; one that arrives at (or after) the last step is
@@ -281,7 +325,8 @@ def test_resize_requests_belong_to_one_attempt_and_the_last_step_answers_them(ra
 
     import ray
 
-    from raychat.run.elastic import _LIVE, FinalResult, PlannedResizeSave, start_coordinator
+    from raychat.run.coordinator import _LIVE, FinalResult, start_coordinator
+    from raychat.run.elastic import PlannedResizeSave
 
     session = uuid.uuid4().hex
     coordinator = start_coordinator(session)

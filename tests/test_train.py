@@ -98,6 +98,11 @@ def test_two_workers_learn_log_checkpoint_sample_and_resume(ray_session, tiny_co
     assert "Resumed from" in resumed.stdout and "at step 16" in resumed.stdout
     assert [int(m.group(1)) for m in log_lines(resumed.stdout, STEP_LINE)] == [16, 17, 18, 19]
     assert checkpoint_names(run) == ["checkpoint_000016", "checkpoint_000020"]
+    # Neither run's attempt started Ray Train's Ray Data manager, an actor raychat has no use for
+    # (raychat.run.driver.RaychatTrainer): one process less on every start and restart.
+    from ray.util.state import list_actors
+
+    assert not list_actors(filters=[("class_name", "=", "DatasetManager")], raise_on_missing_output=False)
 
 
 # On local disk only: a restart reads its checkpoint back from the bucket in the test above (resume by

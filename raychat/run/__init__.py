@@ -10,6 +10,9 @@
     checkpointing  what each rank saves and reads back
     cadence        when to save
     elastic        coordination with Ray Train across failures and resizes
+    coordinator    the run's actor: its attempts, resize requests, replica holders, final report
+    replicas       the memory tier: each rank's state sent to peer memory, and restored from it
+    holders        the actors that keep those replicas, one per node
     metrics        the log line, and the publisher that fans records out to its sinks
     metrics_log    the run's metrics.jsonl, and the timeline read from it
     ledger         where the run's time went (goodput)

@@ -10,11 +10,10 @@ from the latest checkpoint. A failure cannot be planned for, but a resize can: `
 holds the controller in that hook until the workers have saved a checkpoint at their next step
 boundary, so the larger group resumes exactly where the smaller one stopped.
 
-`Coordinator` is a small named actor, created by the driver for one run: the controller callback
-asks it for a save, rank 0 polls it without blocking (the request reaches every rank through the
-step's loss all-reduce), and it remembers the last step each attempt trained and any step it saved
-on a preemption notice, so a new attempt can log "Lost 1 worker(s) ...; 7 steps redone", "Preempted
-(saved step 23 on the notice): ..." or "Grew to 3 workers at step 160 (no steps redone)".
+The run's `Coordinator` actor (raychat.run.coordinator) carries the request to the workers and
+remembers each attempt, so a new attempt can log "Lost 1 worker(s) ...; 7 steps redone",
+"Preempted (saved step 23 on the notice): ..." or "Grew to 3 workers at step 160 (no steps
+redone)". This module, which the controller's process imports for its callbacks, imports no torch.
 """
 
 import contextlib
@@ -24,10 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raychat.checkpoint.fence import LeaseRecord
-from raychat.records import Record
+from raychat.run.coordinator import Attempt, coordinator_name
 from raychat.run.ray_internals import (
     AUTOSCALING_COORDINATOR,
     ControllerCallback,
@@ -37,170 +35,10 @@ from raychat.run.ray_internals import (
     preemption_deadline,
     train_requester_id,
 )
-from raychat.run.replicas import start_holders
 from raychat.storage import Storage
 
 SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
 RESERVATION_FILE = "raychat_reservation.json"  # in the run directory: the controller's resource request
-
-
-@dataclass
-class Attempt(Record):
-    """What the coordinator knows of the attempt before the one starting (`Coordinator.start_attempt`):
-    what its log line and the time ledger say about the restart."""
-
-    attempt: int  # how many attempts started before this one (0: this is the first)
-    last_step: int | None  # the last step it finished
-    world_size: int | None
-    planned_step: int | None  # the step it saved for a planned resize
-    notice_step: int | None  # the step it saved on a preemption notice
-    last_progress: float | None  # when it last finished a step
-    noticed: float | None  # when the controller began the restart or resize
-
-
-@dataclass
-class FinalResult(Record):
-    """What a run reached, from rank 0's last report (`Coordinator.finish`) or, for a run already at
-    its horizon, its last checkpoint: the driver's summary."""
-
-    step: int
-    tokens_so_far: int
-    min_val_bpb: float
-    total_training_time: float
-    core_metric: float | None = None
-    restarts: int = 0
-    resizes: int = 0
-    redone_steps: int = 0
-    peak_memory_mib: float | None = None
-
-
-@ray.remote(num_cpus=0)
-class Coordinator:
-    """Shared state of one run's attempts (one actor per driver run, named after its session)."""
-
-    def __init__(self):
-        self.save_requested = False
-        self.saved_step: int | None = None
-        self.last_step: int | None = None  # the last step the current attempt finished
-        self.world_size: int | None = None
-        self.notice_step: int | None = None  # the step saved on a preemption notice, this attempt
-        self.last_progress: float | None = None  # when the current attempt last finished a step
-        self.noticed: float | None = None  # when the controller last began a restart or resize
-        self.attempts = 0
-        self.final: FinalResult | None = None
-        self.holders: dict[str, ray.actor.ActorHandle] = {}  # by node id (raychat.run.replicas)
-
-    def request_save(self) -> None:
-        """A planned resize asks for a save. After the last step there is nothing left to save (the
-        final checkpoint is written before `finish`): answered at once, so the controller's hold
-        ends now instead of after SAVE_WAIT_S."""
-        if self.final is not None:
-            self.save_requested, self.saved_step = False, self.final.step
-            return
-        self.save_requested, self.saved_step = True, None
-
-    def poll_request(self) -> bool:
-        return self.save_requested
-
-    def saved(self, step: int) -> None:
-        self.save_requested, self.saved_step = False, step
-
-    def get_saved_step(self) -> int | None:
-        return self.saved_step
-
-    def preemption_saved(self, step: int) -> None:
-        self.notice_step = step
-
-    def progress(self, step: int) -> None:
-        self.last_step, self.last_progress = step, time.time()
-
-    def restart_noticed(self, at: float) -> None:
-        """The controller began restarting or resizing the group (`NoteRestart`), at `at`."""
-        self.noticed = at
-
-    def finish(self, result: FinalResult) -> None:
-        """Rank 0's last report: Ray Train hands the driver only metrics reported with a checkpoint,
-        and raychat writes its checkpoints itself. A resize request still open (it came at the last
-        step, when the loop saves no more) is answered with the final step."""
-        self.final = result
-        if self.save_requested:
-            self.saved(result.step)
-
-    def final_result(self) -> FinalResult | None:
-        return self.final
-
-    def replica_holders(self, node_ids: list[str]) -> dict[str, "ray.actor.ActorHandle"]:
-        """Every replica holder of the run by node id, one started on each of `node_ids` that has none:
-        created here, so they end with this actor (the driver's run), not with a worker or its node."""
-        return dict(start_holders(self.holders, node_ids))
-
-    def start_attempt(self, step: int, world_size: int) -> Attempt:
-        """Called by rank 0 of each new attempt: what the previous attempt did."""
-        previous = Attempt(attempt=self.attempts, last_step=self.last_step, world_size=self.world_size,
-                           planned_step=self.saved_step, notice_step=self.notice_step,
-                           last_progress=self.last_progress, noticed=self.noticed)
-        self.attempts += 1
-        self.last_step, self.world_size, self.saved_step, self.notice_step = None, world_size, None, None
-        self.last_progress = self.noticed = None
-        # A planned-resize request the old group never answered (it came at the last step, or the
-        # save outlasted the controller's wait) belongs to that group: the new one must not save and
-        # sleep for it, nor log a later real failure as a planned resize.
-        self.save_requested = False
-        return previous
-
-
-def coordinator_name(session: str) -> str:
-    return f"raychat-coordinator-{session}"
-
-
-_LIVE: dict[str, "ray.actor.ActorHandle"] = {}  # Ray ends an actor when its last handle is dropped
-
-
-def start_coordinator(session: str) -> "ray.actor.ActorHandle":
-    """Create the run's coordinator (owned by the calling driver: it ends with the driver), on the
-    driver's own node: a zero-CPU actor could otherwise land on a worker node and die with it."""
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    _LIVE[session] = Coordinator.options(name=coordinator_name(session), num_cpus=0,
-                                         scheduling_strategy=here).remote()
-    return _LIVE[session]
-
-
-def stop_coordinator(session: str) -> None:
-    """End the run's coordinator, and with it the replica holders it owns (their memory)."""
-    coordinator = _LIVE.pop(session, None)
-    if coordinator is not None:
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.kill(coordinator)
-
-
-def end_coordinator_taken_over(taken_over: LeaseRecord | None, log: Callable[[str], None] = print) -> None:
-    """End the coordinator of the driver this one took the run over from (`RunLease.taken_over`: its
-    epoch's record, which names it), and with it the replica holders it owns. A driver that died
-    took them along; one that is paused (a long GC, a partition) still owns them, and their memory
-    (its ranks' replicas, twice over) would stay held on the nodes the new group trains on until it
-    woke. Their replicas are of a superseded epoch, never restored. A driver that released the run
-    is never taken over from: its coordinator is its own business until it exits."""
-    if taken_over is None or not (taken_over.coordinator or "").startswith(coordinator_name("")):
-        return  # a clean hand-over, a driver outside Ray, or a record raychat did not write
-    try:
-        coordinator = ray.get_actor(taken_over.coordinator, namespace=taken_over.namespace)
-    except (ValueError, TypeError, ray.exceptions.RayError):
-        return  # its driver ended and took it along
-    try:
-        holders = list(ray.get(coordinator.replica_holders.remote([]), timeout=10).values())
-        held = sum(ray.get([holder.nbytes.remote() for holder in holders], timeout=10))
-    except Exception:  # noqa: BLE001 (ending it is what matters; the line only says less)
-        holders, held = [], 0
-    with contextlib.suppress(ray.exceptions.RayError):
-        ray.kill(coordinator)
-    log(f"Ended the coordinator of the driver this one took the run over from (lease epoch "
-        f"{taken_over.epoch}), with its {len(holders)} replica holder(s) ({held / 2**20:.1f} MiB of memory "
-        "freed)")
-
-
-def final_result(session: str) -> FinalResult | None:
-    """What rank 0 reported at the last step of the run started with `session` (None: nothing yet)."""
-    return ray.get(_LIVE[session].final_result.remote())
 
 
 class PlannedResizeSave(ControllerCallback):

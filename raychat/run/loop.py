@@ -37,11 +37,12 @@ from raychat.model.flops import mfu as compute_mfu
 from raychat.model.generate import generate
 from raychat.run.cadence import SaveCadence
 from raychat.run.checkpointing import state_pieces
+from raychat.run.coordinator import FinalResult
 from raychat.run.core_metric import core_due, evaluate_core
-from raychat.run.elastic import ElasticSignals, FinalResult, notice_margin
+from raychat.run.elastic import ElasticSignals, notice_margin
+from raychat.run.holders import Replica
 from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
 from raychat.run.ray_internals import preemption_deadline
-from raychat.run.replicas import Replica
 from raychat.run.step import train_step
 from raychat.run.validation import SAMPLE_PROMPTS, evaluate_bpb
 from raychat.run.worker_setup import LoopState, Worker, WorkerRunConfig, all_gather_objects, setup

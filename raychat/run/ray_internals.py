@@ -4,8 +4,8 @@ Private names move between Ray releases without notice. When one does, tests/tes
 fails with the installed Ray version in its message, and this module is the one to fix. Used by
 raychat.run.console (the driver's log printer), raychat.run.elastic (controller callbacks, the
 cluster view and its reservations, the preemption flag), raychat.run.driver (the job's recorded
-command line), raychat.run.quiet (the loggers of Ray's chatter and Ray Data's console handler) and
-nothing else.
+command line, the trainer's default callbacks), raychat.run.quiet (the loggers of Ray's chatter and
+Ray Data's console handler) and nothing else.
 """
 
 import logging
@@ -17,6 +17,7 @@ import psutil
 import ray._private.utils as ray_utils
 import ray.train.v2._internal.execution.context as train_context
 from ray._private.ray_logging import global_worker_stdstream_dispatcher
+from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.context import get_train_context
 from ray.train.v2._internal.execution.controller.state import (
@@ -41,6 +42,19 @@ __all__ = ["ControllerCallback", "ReschedulingState", "ResizingState", "Restarti
 # policy asks how many workers fit. It re-reads the cluster only every 20 s unless asked to with
 # `get_reserved_resources(requester, recompute=True)`; nothing public triggers that re-read.
 AUTOSCALING_COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")
+
+
+def without_dataset_manager(callbacks: list, datasets: dict) -> list:
+    """A trainer's default callbacks (`DataParallelTrainer._create_default_callbacks`, which a
+    trainer subclass overrides with this) less Ray Train's Ray Data set-up when it was given no
+    datasets. That callback starts a DatasetManager actor at every attempt (a process of its own:
+    2.5-3.5 s of a 2-core node's CPU while the worker group starts, on every start and restart) and
+    sends the driver's Ray Data context to every worker, whether or not a worker ever asks for a
+    dataset shard. raychat's workers never do: each builds its own pipeline (raychat.data.loader).
+    Nothing public leaves it out."""
+    if datasets:
+        return callbacks
+    return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
 
 
 def train_requester_id(run_id: str) -> str:

@@ -42,7 +42,8 @@ from raychat.optim.registry import optimizer_spec
 from raychat.records import Record
 from raychat.run.checkpointing import Share, apply_share, read_share
 from raychat.run.console import log_line
-from raychat.run.elastic import ElasticSignals, coordinator_name, describe_attempt
+from raychat.run.coordinator import coordinator_name
+from raychat.run.elastic import ElasticSignals, describe_attempt
 from raychat.run.metrics import LogLines, Publisher, RayMetrics, TrainReport, WandbLogger
 from raychat.run.metrics_log import MetricsLog
 from raychat.run.replicas import MemoryRestore, Replicator, peer_nodes, retain_only
