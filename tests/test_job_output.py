@@ -32,10 +32,12 @@ def test_runtime_env_keeps_settings_and_drops_secrets():
         "WANDB_API_KEY": "k", "WANDB_PROJECT": "p", "WANDB_ENTITY": "e", "WANDB_MODE": "offline",
         "WANDB_DIR": "/w", "RAYCHAT_HOME": "/h", "RAYCHAT_HF_TOKEN": "t", "WANDB_PASSWORD": "x",
         "wandb_secret_thing": "s", "HOME": "/root", "AWS_SECRET_ACCESS_KEY": "a",
+        "RAY_DATA_DISABLE_PROGRESS_BARS": "1", "RAY_ADDRESS": "127.0.0.1:6379",
     }
     assert worker_runtime_env(environ) == {"env_vars": {
         "WANDB_PROJECT": "p", "WANDB_ENTITY": "e", "WANDB_MODE": "offline", "WANDB_DIR": "/w",
-        "RAYCHAT_HOME": "/h", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}, "worker_process_setup_hook": QUIET_HOOK}
+        "RAYCHAT_HOME": "/h", "RAY_DATA_DISABLE_PROGRESS_BARS": "1", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
+        "worker_process_setup_hook": QUIET_HOOK}
 
 
 def test_runtime_env_leaves_a_jobs_own_variables_to_the_job():

@@ -308,12 +308,12 @@ def test_auto_on_a_cpu_counts_the_sends_cpu_time_not_its_wait_on_the_holders(ray
         ray.kill(holder)
 
 
-def test_the_processes_on_a_runs_start_path_import_no_torch():
-    """The run's coordinator and its replica holders are processes an attempt starts (each node's
-    holder, the coordinator at a run's start), and the controller's process imports raychat's
-    callbacks: on a 2-core node each torch import is 1.5-3 s of CPU the worker group's start waits
-    behind. Their modules must not import it (a holder loads it with its first replica)."""
-    code = ("import sys, raychat.run.coordinator, raychat.run.holders, raychat.run.elastic\n"
+def test_the_coordinators_process_imports_no_torch():
+    """The run's coordinator is a process on every run's start path (the driver creates it before the
+    worker group), and it starts the replica holders: on a 2-core node a torch import is 1.5-3 s of
+    CPU the worker group's start waits behind. Its module and the holders' must not import it (a
+    holder's process loads it in its constructor, raychat.run.holders)."""
+    code = ("import sys, raychat.run.coordinator, raychat.run.holders\n"
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True,
                           text=True)

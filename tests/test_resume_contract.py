@@ -294,9 +294,9 @@ def test_a_takeover_releases_only_the_reservation_of_the_epoch_it_took_over(ray_
     def held() -> dict:
         return ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True), timeout=30)
 
-    ray.get(coordinator.request_resources.remote(requester_id=requester, resources=[{"CPU": 1}],
-                                                 expire_after_s=300), timeout=30)
     try:
+        ray.get(coordinator.request_resources.remote(requester_id=requester, resources=[{"CPU": 1}],
+                                                     expire_after_s=300), timeout=30)
         assert held()
         run_dir = Storage(str(tmp_path))
         run_dir.write_bytes(RESERVATION_FILE, json.dumps({"requester": requester, "epoch": 2}).encode())

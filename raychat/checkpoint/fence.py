@@ -56,7 +56,7 @@ class LeaseRecord:
     resumed: int | None = None  # the sequence this epoch's driver resumed from (0: a fresh start)
     beat: int = 0
     released: bool = False
-    # Its driver's run coordinator (a Ray actor: raychat.run.elastic), which owns the run's replica
+    # Its driver's run coordinator (a Ray actor: raychat.run.coordinator), which owns the run's replica
     # holders: a driver that takes the run over ends it. None for a driver outside Ray.
     coordinator: str | None = None
     namespace: str | None = None

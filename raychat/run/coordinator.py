@@ -69,7 +69,7 @@ class Coordinator:
         self.noticed: float | None = None  # when the controller last began a restart or resize
         self.attempts = 0
         self.final: FinalResult | None = None
-        self.holders: dict[str, ray.actor.ActorHandle] = {}  # by node id (raychat.run.replicas)
+        self.holders: dict[str, ray.actor.ActorHandle] = {}  # by node id (raychat.run.holders)
 
     def request_save(self) -> None:
         """A planned resize asks for a save. After the last step there is nothing left to save (the

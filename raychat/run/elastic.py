@@ -13,7 +13,7 @@ boundary, so the larger group resumes exactly where the smaller one stopped.
 The run's `Coordinator` actor (raychat.run.coordinator) carries the request to the workers and
 remembers each attempt, so a new attempt can log "Lost 1 worker(s) ...; 7 steps redone",
 "Preempted (saved step 23 on the notice): ..." or "Grew to 3 workers at step 160 (no steps
-redone)". This module, which the controller's process imports for its callbacks, imports no torch.
+redone)".
 """
 
 import contextlib

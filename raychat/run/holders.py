@@ -63,9 +63,14 @@ class ReplicaHolder:
     """One node's store of replicas (see the module's docstring)."""
 
     def __init__(self):
-        # torch now, in the holder's own process as it starts, not in the first put: that would make
-        # the attempt's first replica take seconds, and the steps after it be skipped.
+        # What a put unpickles (torch, the pieces, the cursor, the loop state), loaded now, as the
+        # holder's process starts, not in the first put: that would make the attempt's first replica
+        # take seconds, and the steps after it be skipped.
         import torch  # noqa: F401
+
+        import raychat.checkpoint.meta  # noqa: F401
+        import raychat.checkpoint.sharded  # noqa: F401
+        import raychat.data.cursor  # noqa: F401
 
         self.replicas: dict[int, dict[tuple[int, int], Replica]] = {}  # rank -> key -> replica
 

@@ -6,10 +6,10 @@ restart reads it all back (16 GB for d24 on 8 GPUs). GEMINI (SOSP '23) keeps the
 in CPU memory instead, one copy on the rank's own machine and one on a peer's; raychat does the same
 with Ray actors:
 
-- `ReplicaHolder`: one zero-CPU actor per node of the worker group, created and owned by the run's
-  coordinator (on the driver's node, so holders outlive any worker and end with the driver's run).
-  It keeps, for each rank that sends to it, the replicas of the two newest steps: a step whose set
-  was still in flight when a node died has the one before it complete.
+- `ReplicaHolder` (raychat.run.holders): one zero-CPU actor per node of the worker group, created
+  and owned by the run's coordinator (on the driver's node, so holders outlive any worker and end
+  with the driver's run). It keeps, for each rank that sends to it, the replicas of the two newest
+  steps: a step whose set was still in flight when a node died has the one before it complete.
 - The rank's side (`Replicator`): at a replication step, the pieces the rank owns (the very pieces
   and names of a sharded checkpoint: raychat.run.checkpointing.state_pieces) are copied to reused
   host buffers (the only stall), then a background thread puts them in Ray's object store once and

@@ -1,11 +1,11 @@
 """The environment the driver hands to Ray workers, without credentials.
 
 Workers are started by each node's raylet, not by the driver, so settings the driver was given
-(RAYCHAT_*, WANDB_*) travel in Ray's runtime environment. Ray stores that in the job's metadata and
-shows it to anyone who can read the job list or the dashboard (`ray job list`, the Jobs page), so
-credentials stay out of it: a node's wandb reads its key from that node's own environment (a
-Kubernetes Secret in cluster/kuberay/, the raylet's environment under `ray up`) or ~/.netrc, and a
-local Ray started by the driver inherits the driver's environment anyway.
+(RAYCHAT_*, WANDB_*, RAY_TRAIN_*, RAY_DATA_*) travel in Ray's runtime environment. Ray stores that
+in the job's metadata and shows it to anyone who can read the job list or the dashboard (`ray job
+list`, the Jobs page), so credentials stay out of it: a node's wandb reads its key from that node's
+own environment (a Kubernetes Secret in cluster/kuberay/, the raylet's environment under `ray up`)
+or ~/.netrc, and a local Ray started by the driver inherits the driver's environment anyway.
 """
 
 import json
@@ -13,7 +13,9 @@ import re
 from collections.abc import Mapping
 
 QUIET_HOOK = "raychat.run.quiet.quiet_ray"
-FORWARDED_PREFIXES = ("RAYCHAT_", "WANDB_", "RAY_TRAIN_")  # RAY_TRAIN_*: read by the Train controller
+# RAY_TRAIN_*: read by the Train controller. RAY_DATA_*: read by each worker's Ray Data pipeline, which
+# builds its own DataContext from its environment (raychat.run.driver.RaychatTrainer ships it none).
+FORWARDED_PREFIXES = ("RAYCHAT_", "WANDB_", "RAY_TRAIN_", "RAY_DATA_")
 # Matched anywhere in the name: WANDB_API_KEY, *_TOKEN, *_SECRET, *_PASSWORD and their variants.
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
 
