@@ -85,6 +85,17 @@ def run_train(cluster: "RayCluster", flags: list[str], timeout: int = 400,
                           timeout=timeout, env=cluster.driver_env(**env))
 
 
+def modules_loaded_by(code: str, *modules: str) -> set[str]:
+    """Which of `modules` a fresh interpreter has loaded once it has run `code` (from tests/, so
+    `helpers` imports): what a process of the run pays for at its start, seen from outside."""
+    check = f"\nimport sys\nprint(*(m for m in {modules!r} if m in sys.modules))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code + check], cwd=REPO / "tests", env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return set(done.stdout.strip().splitlines()[-1].split()) if done.stdout.strip() else set()
+
+
 def log_lines(output: str, pattern: re.Pattern) -> list[re.Match]:
     """Matches of a pattern in driver output; Ray prefixes worker lines with '(RayTrainWorker ...) '."""
     found = []
