@@ -15,7 +15,7 @@ from helpers import STEP_LINE, VAL_LINE, run_train, submit_job, tiny_flags
 from ray._private.worker import print_to_stdstream
 
 from raychat.run.console import MARK, log_line, print_batch
-from raychat.run.runtime_env import QUIET_HOOK, worker_runtime_env
+from raychat.run.runtime_env import SETUP_HOOK, worker_runtime_env
 
 CORE_LINE = re.compile(r"Step 00006 \| CORE metric: -?\d\.\d{4}")
 RUN = ["--num-workers", "1", "--total-batch-size", "256", "--num-iterations", "6", "--eval-every", "3"]
@@ -37,7 +37,7 @@ def test_runtime_env_keeps_settings_and_drops_secrets():
     assert worker_runtime_env(environ) == {"env_vars": {
         "WANDB_PROJECT": "p", "WANDB_ENTITY": "e", "WANDB_MODE": "offline", "WANDB_DIR": "/w",
         "RAYCHAT_HOME": "/h", "RAY_DATA_DISABLE_PROGRESS_BARS": "1", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
-        "worker_process_setup_hook": QUIET_HOOK}
+        "worker_process_setup_hook": SETUP_HOOK}
 
 
 def test_runtime_env_leaves_a_jobs_own_variables_to_the_job():
@@ -48,7 +48,7 @@ def test_runtime_env_leaves_a_jobs_own_variables_to_the_job():
                "RAY_JOB_CONFIG_JSON_ENV_VAR": job}
     assert worker_runtime_env(environ) == {"env_vars": {"RAYCHAT_OFFLINE": "1",
                                                         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
-                                           "worker_process_setup_hook": QUIET_HOOK}
+                                           "worker_process_setup_hook": SETUP_HOOK}
 
 
 def test_marked_lines_bare_others_keep_rays_prefix(capsys, monkeypatch):

@@ -3,11 +3,19 @@ turned into errors (RAYCHAT_STRICT_WARNINGS) finishes, and its output has raycha
 Ray's per-report and per-dataset chatter; RAYCHAT_VERBOSE brings the chatter back."""
 
 import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import warnings
 
 import pytest
-from helpers import STEP_LINE, VAL_LINE, log_lines, run_train, tiny_flags
+from helpers import STEP_LINE, VAL_LINE, log_lines, tiny_flags
+from run_output import foreign_lines
 
+from bench.multinode import stop_processes_under
 from raychat.run import quiet
 from raychat.run.console import print_batch
 from raychat.run.driver import ray_line
@@ -20,11 +28,28 @@ CHATTER = ["Reporting training result", "registers for logging", "execution fini
 @pytest.mark.ray
 @pytest.mark.parametrize("storage", ["local"], indirect=True)
 def test_tiny_run_calls_no_deprecated_ray_api_and_logs_no_chatter(ray_session, tiny_corpus, storage):
+    """The README's first command: no RAY_ADDRESS, so the driver starts a local Ray instance, on a
+    machine whose last `ray start` recorded a cluster that is gone (/tmp/ray/ray_current_cluster, here
+    under a private RAY_TMPDIR). Ray would join that address (and refuse num_cpus: a traceback), and
+    Ray Train's actors would ask it whether their actors live (the cleaner's stop times out: a traceback
+    and a 13-50 s stall at the end): the run starts its own instance, its processes ask their own."""
+    ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths stay < 108 chars
+    os.makedirs(os.path.join(ray_tmp, "ray"))
+    with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
+        f.write("127.0.0.1:1")  # nothing listens there
+    env = {k: v for k, v in ray_session.driver_env(RAYCHAT_STRICT_WARNINGS="1", RAY_TMPDIR=ray_tmp).items()
+           if k != "RAY_ADDRESS"}
     flags = ["--num-workers", "1", "--total-batch-size", "1024", "--num-iterations", "6", "--eval-every", "3"]
-    result = run_train(ray_session, tiny_flags(tiny_corpus, storage, "quiet", *flags),
-                       RAYCHAT_STRICT_WARNINGS="1")
+    try:
+        command = [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, storage, "quiet", *flags)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
+    finally:
+        stop_processes_under(ray_tmp)  # what the driver's local instance left, if anything
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
+    local = r"^Ray: started a local instance; dashboard http://127\.0\.0\.1:\d+"
+    assert re.search(local, result.stdout, re.M), result.stdout[-3000:]
     assert [int(m.group(1)) for m in log_lines(result.stdout, STEP_LINE)] == list(range(6))
     assert [int(m.group(1)) for m in log_lines(result.stdout, VAL_LINE)] == [0, 3, 6]
     # The default cadence (--save-every 0) checkpoints before the end: 5 steps in, a save that
@@ -33,6 +58,9 @@ def test_tiny_run_calls_no_deprecated_ray_api_and_logs_no_chatter(ray_session, t
     assert "Checkpoint checkpoint_000005 saved" in result.stdout
     assert [line for line in out.splitlines() if any(c in line for c in CHATTER)] == []
     assert "deprecat" not in out.lower(), [line for line in out.splitlines() if "deprecat" in line.lower()]
+    # The log is the run's (tests/run_output.py): nothing of Ray's, no traceback from its actors.
+    assert foreign_lines(result.stdout) == [], foreign_lines(result.stdout)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 @pytest.fixture

@@ -248,9 +248,12 @@ def connect_ray(cfg: TrainConfig) -> None:
         context = ray.init(runtime_env=runtime_env, log_to_driver=True)
     else:
         # Logical CPUs: one per worker plus room for Ray Data's read/tokenize tasks; threads are
-        # sized by the workers themselves.
+        # sized by the workers themselves. "local": a new instance, never the cluster the machine's
+        # last `ray start` recorded in /tmp/ray/ray_current_cluster, which Ray would otherwise join
+        # (and refuse num_cpus for), or fail to reach when that cluster is gone. Joining one is
+        # what RAY_ADDRESS is for.
         cpus = max(os.cpu_count() or 1, max_workers) + 2
-        context = ray.init(num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+        context = ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                            log_to_driver=True, runtime_env=runtime_env)
     install_driver_printer()
     print(ray_line(context.address_info.get("gcs_address", ""), context.dashboard_url, joined), flush=True)

@@ -9,10 +9,11 @@ or ~/.netrc, and a local Ray started by the driver inherits the driver's environ
 """
 
 import json
+import os
 import re
 from collections.abc import Mapping
 
-QUIET_HOOK = "raychat.run.quiet.quiet_ray"
+SETUP_HOOK = "raychat.run.runtime_env.set_up_worker_process"
 # RAY_TRAIN_*: read by the Train controller. RAY_DATA_*: read by each worker's Ray Data pipeline, which
 # builds its own DataContext from its environment (raychat.run.driver.RaychatTrainer ships it none).
 FORWARDED_PREFIXES = ("RAYCHAT_", "WANDB_", "RAY_TRAIN_", "RAY_DATA_")
@@ -35,6 +36,24 @@ def worker_runtime_env(environ: Mapping[str, str]) -> dict:
     # Ray Train's print patch copies every worker print into its logger as well, and where stdout
     # has been wrapped (wandb, Ray Data progress) the step lines then reach the driver twice.
     env["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"
-    # Every worker process of the run (Train controller, Train workers, Ray Data tasks) silences
-    # Ray's chatter as it starts, unless RAYCHAT_VERBOSE is set (raychat.run.quiet).
-    return {"env_vars": env, "worker_process_setup_hook": QUIET_HOOK}
+    # Every worker process of the run (Train controller, Train workers, Ray Data tasks, the actors
+    # they start) runs set_up_worker_process as it starts.
+    return {"env_vars": env, "worker_process_setup_hook": SETUP_HOOK}
+
+
+def set_up_worker_process() -> None:
+    """Ray's setup hook for every process of the run: name this process's own cluster to Ray's
+    state API, then silence Ray's chatter unless RAYCHAT_VERBOSE is set (raychat.run.quiet).
+
+    Ray Train's controller, its placement-group cleaner and its state actor ask the state API whether
+    an actor is alive, without an address: Ray then takes RAY_ADDRESS, else the cluster recorded in
+    /tmp/ray/ray_current_cluster by the machine's last `ray start`, which need not be this process's
+    cluster (a local instance the driver started, a stopped or crashed cluster). Asking a cluster
+    that is gone stalled the end of every run by 13-50 s (the cleaner's stop times out) and failed
+    the state actor's checks; asking another live one gives it wrong answers."""
+    import ray
+
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    from raychat.run.quiet import quiet_ray
+
+    quiet_ray()
