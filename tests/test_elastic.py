@@ -209,8 +209,10 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
     assert sorted(read_trace(trace)) == list(range(STEPS))
     assert_epoch1_exactly_once(trace, data_dir, final.cursor)
     # Only the failure redid steps: each step trained by more than one attempt lies before the grow.
+    # The run counts what its coordinator heard of (each step's progress is sent without waiting): a
+    # step the lost node's ranks finished and traced as the node went may be redone uncounted.
     redone = sorted(s for s, attempts in attempts_by_step(trace).items() if len(attempts) > 1)
-    assert len(redone) == final.loop_state.redone_steps
+    assert final.loop_state.redone_steps <= len(redone) <= final.loop_state.redone_steps + 1, redone
     # The grow redoes nothing of the attempt it grew from (it may start below the failed attempt's
     # last step when the shrunk attempt grew before catching up: those steps are the failure's).
     by_step = attempts_by_step(trace)

@@ -28,17 +28,17 @@ CHATTER = ["Reporting training result", "registers for logging", "execution fini
 @pytest.mark.ray
 @pytest.mark.parametrize("storage", ["local"], indirect=True)
 def test_tiny_run_calls_no_deprecated_ray_api_and_logs_no_chatter(ray_session, tiny_corpus, storage):
-    """The README's first command: no RAY_ADDRESS, so the driver starts a local Ray instance, on a
-    machine whose last `ray start` recorded a cluster that is gone (/tmp/ray/ray_current_cluster, here
-    under a private RAY_TMPDIR). Ray would join that address (and refuse num_cpus: a traceback), and
-    Ray Train's actors would ask it whether their actors live (the cleaner's stop times out: a traceback
-    and a 13-50 s stall at the end): the run starts its own instance, its processes ask their own."""
+    """The README's first command: no cluster address (RAY_ADDRESS empty, as `ENV RAY_ADDRESS=` leaves
+    it), so the driver starts a local Ray instance, on a machine whose last `ray start` recorded a
+    cluster that is gone (/tmp/ray/ray_current_cluster, here under a private RAY_TMPDIR). Ray would join
+    that address (and refuse num_cpus: a traceback), and Ray Train's actors would ask it whether their
+    actors live (the cleaner's stop times out: a traceback and a 13-50 s stall at the end): the run
+    starts its own instance, and its processes ask their own."""
     ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths stay < 108 chars
     os.makedirs(os.path.join(ray_tmp, "ray"))
     with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
         f.write("127.0.0.1:1")  # nothing listens there
-    env = {k: v for k, v in ray_session.driver_env(RAYCHAT_STRICT_WARNINGS="1", RAY_TMPDIR=ray_tmp).items()
-           if k != "RAY_ADDRESS"}
+    env = ray_session.driver_env(RAYCHAT_STRICT_WARNINGS="1", RAY_TMPDIR=ray_tmp, RAY_ADDRESS="")
     flags = ["--num-workers", "1", "--total-batch-size", "1024", "--num-iterations", "6", "--eval-every", "3"]
     try:
         command = [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, storage, "quiet", *flags)]

@@ -5,10 +5,11 @@ fails with the installed Ray version in its message, and this module is the one 
 raychat.run.console (the driver's log printer), raychat.run.elastic (controller callbacks, the
 cluster view and its reservations, the preemption flag), raychat.run.driver (the job's recorded
 command line, the trainer's default callbacks), raychat.run.quiet (the loggers of Ray's chatter and
-Ray Data's console handler) and nothing else.
+Ray Data's console handler), raychat.run.runtime_env (the state API's cluster) and nothing else.
 """
 
 import logging
+import os
 import re
 from collections.abc import Callable
 from subprocess import list2cmdline
@@ -16,7 +17,9 @@ from subprocess import list2cmdline
 import psutil
 import ray._private.utils as ray_utils
 import ray.train.v2._internal.execution.context as train_context
+from ray._private import ray_constants
 from ray._private.ray_logging import global_worker_stdstream_dispatcher
+from ray.experimental import internal_kv
 from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.context import get_train_context
@@ -55,6 +58,20 @@ def without_dataset_manager(callbacks: list, datasets: dict) -> list:
     if datasets:
         return callbacks
     return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+
+def pin_state_api_to_this_cluster() -> None:
+    """Point Ray's state API in this process at the cluster the process belongs to. Called without an
+    address, as Ray Train's controller, placement-group cleaner and state actor call it to ask whether
+    an actor lives, it takes RAY_API_SERVER_ADDRESS, else RAY_ADDRESS, else the cluster recorded in
+    /tmp/ray/ray_current_cluster by the machine's last `ray start`, which need not be this one (a
+    local instance the driver started, a cluster stopped or crashed since). The cluster's dashboard
+    registers its address in the GCS's internal key-value store, where `ray_address_to_api_server_url`
+    reads it; nothing public tells a worker process its own cluster's dashboard."""
+    address = internal_kv._internal_kv_get(ray_constants.DASHBOARD_ADDRESS,
+                                           namespace=ray_constants.KV_NAMESPACE_DASHBOARD)
+    if address:  # none without a dashboard: then there is no state API to ask either
+        os.environ[ray_constants.RAY_API_SERVER_ADDRESS_ENVIRONMENT_VARIABLE] = f"http://{address.decode()}"
 
 
 def train_requester_id(run_id: str) -> str:

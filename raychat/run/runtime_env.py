@@ -9,7 +9,6 @@ or ~/.netrc, and a local Ray started by the driver inherits the driver's environ
 """
 
 import json
-import os
 import re
 from collections.abc import Mapping
 
@@ -42,18 +41,17 @@ def worker_runtime_env(environ: Mapping[str, str]) -> dict:
 
 
 def set_up_worker_process() -> None:
-    """Ray's setup hook for every process of the run: name this process's own cluster to Ray's
-    state API, then silence Ray's chatter unless RAYCHAT_VERBOSE is set (raychat.run.quiet).
+    """Ray's setup hook for every process of the run: point Ray's state API at this process's own
+    cluster, then silence Ray's chatter unless RAYCHAT_VERBOSE is set (raychat.run.quiet).
 
-    Ray Train's controller, its placement-group cleaner and its state actor ask the state API whether
-    an actor is alive, without an address: Ray then takes RAY_ADDRESS, else the cluster recorded in
-    /tmp/ray/ray_current_cluster by the machine's last `ray start`, which need not be this process's
-    cluster (a local instance the driver started, a stopped or crashed cluster). Asking a cluster
-    that is gone stalled the end of every run by 13-50 s (the cleaner's stop times out) and failed
-    the state actor's checks; asking another live one gives it wrong answers."""
-    import ray
-
-    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    Ray Train's placement-group cleaner and state actor ask the state API whether an actor lives,
+    without an address, and Ray answers from the cluster the machine's last `ray start` recorded
+    when nothing else names one (raychat.run.ray_internals.pin_state_api_to_this_cluster). Asking a
+    cluster that is gone stalled the end of every run by 13-50 s (the cleaner's stop timed out) and
+    failed the state actor's checks. RAY_ADDRESS stays as it is: raychat reads it as "the driver
+    joined a cluster" (raychat.model.precision, raychat.model.compile_check, raychat.evaluate)."""
     from raychat.run.quiet import quiet_ray
+    from raychat.run.ray_internals import pin_state_api_to_this_cluster
 
+    pin_state_api_to_this_cluster()
     quiet_ray()
