@@ -167,7 +167,7 @@ def _ride_out(fn: Callable[[], T], what: str, log: Callable[[str], None], budget
             left = started + budget - time.monotonic()
             if left <= 0:
                 outcome = (f"storage fault while {what} outlasted the {budget:.0f} s retry budget ({tries} "
-                           "tries); failing the attempt so Ray restarts it")
+                           "tries); giving up (in a worker, the attempt fails and Ray restarts it)")
                 raise StorageUnavailable(f"{what}: {short_reason(error)} (still failing after {budget:.0f} s "
                                          f"and {tries} tries; RAYCHAT_RETRY_BUDGET_S sets the budget)"
                                          ) from error
