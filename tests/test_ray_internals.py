@@ -6,6 +6,9 @@ These fail with the installed Ray version in the message, so an upgrade that mov
 import importlib
 import inspect
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import ray
@@ -156,3 +159,23 @@ def test_a_trainer_without_datasets_starts_no_ray_data_manager():
     assert kinds(RaychatTrainer) == [k for k in kinds(TorchTrainer) if k is not datasets_callback]
     # (a dataset factory, called only when an attempt starts: building a Dataset would start Ray here)
     assert datasets_callback in kinds(RaychatTrainer, datasets={"train": lambda: None})
+
+
+def test_the_state_api_pin_reads_what_rays_own_lookup_reads():
+    """raychat.run.ray_internals.pin_state_api_to_this_cluster reads the dashboard's address where
+    Ray's own address lookup does (ray.dashboard.utils.ray_address_to_api_server_url) and names it in
+    the variable Ray's state API reads first; in a process not connected to Ray it does nothing (the
+    setup hook that calls it must never fail a worker's start)."""
+    from ray.dashboard import utils as dashboard_utils
+
+    lookup = inspect.getsource(dashboard_utils.ray_address_to_api_server_url)
+    assert "ray_constants.DASHBOARD_ADDRESS" in lookup and "KV_NAMESPACE_DASHBOARD" in lookup, NEEDED
+    first = inspect.getsource(dashboard_utils.get_address_for_submission_client)
+    order = first.index("RAY_API_SERVER_ADDRESS_ENVIRONMENT_VARIABLE"), first.index("RAY_ADDRESS_ENVIRONMENT")
+    assert order[0] < order[1], f"Ray's state API no longer reads RAY_API_SERVER_ADDRESS first ({NEEDED})"
+    # A fresh interpreter: this one may be connected to the suite's Ray instance.
+    code = ("import os\nfrom raychat.run.ray_internals import pin_state_api_to_this_cluster as pin\n"
+            "pin()\nprint(os.environ.get('RAY_API_SERVER_ADDRESS', 'unset'))")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_API_SERVER_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout.split() == ["unset"], done.stderr[-2000:]

@@ -68,6 +68,8 @@ def pin_state_api_to_this_cluster() -> None:
     local instance the driver started, a cluster stopped or crashed since). The cluster's dashboard
     registers its address in the GCS's internal key-value store, where `ray_address_to_api_server_url`
     reads it; nothing public tells a worker process its own cluster's dashboard."""
+    if not internal_kv._internal_kv_initialized():  # not connected: nothing to point at
+        return
     address = internal_kv._internal_kv_get(ray_constants.DASHBOARD_ADDRESS,
                                            namespace=ray_constants.KV_NAMESPACE_DASHBOARD)
     if address:  # none without a dashboard: then there is no state API to ask either
