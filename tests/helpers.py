@@ -114,12 +114,12 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def refusal(commands: "Commands", flags: list[str], cluster: "RayCluster | None" = None) -> str:
-    """The one error line of a `python -m raychat.train` that its driver refuses before it joins Ray
-    (a user's mistake, exit 2), run in the test module's reused interpreter (tests/reused_processes.py):
-    a refusal takes about a second there, against the 4-6 s of a fresh interpreter's imports."""
-    env = cluster.driver_env() if cluster is not None else None
-    return one_error_line(commands.run("raychat.train", *flags, env=env, timeout=180))
+def refusal(commands: "Commands", flags: list[str], cluster: "RayCluster") -> str:
+    """The one error line of a `python -m raychat.train` that its driver, joined to `cluster`, refuses
+    before it joins Ray (a user's mistake, exit 2), run in the test module's reused interpreter
+    (tests/reused_processes.py): a refusal takes about a second there, against the 4-6 s of a fresh
+    interpreter's imports."""
+    return one_error_line(commands.run("raychat.train", *flags, env=cluster.driver_env(), timeout=180))
 
 
 def final_model_state(run: Storage) -> dict[str, torch.Tensor]:
