@@ -299,6 +299,31 @@ def test_bad_storage_fails_fast_with_one_line_and_writes_nothing(tiny_corpus, tm
     assert not Storage(s3_uri(s3_endpoint, "runs")).exists()
 
 
+def test_a_cluster_that_is_not_there_or_wants_a_token_is_one_line(ray_session, tiny_corpus, tmp_path,
+                                                                  commands):
+    """RAY_ADDRESS set to where no cluster runs (Ray's connect would wait minutes), and to the
+    session's cluster without its token (Ray retries for ~13 s, printing, then a traceback)."""
+    from conftest import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    result = commands.run("raychat.train", *tiny_flags(tiny_corpus, tmp_path, "nowhere"),
+                          env=ray_session.driver_env(RAY_ADDRESS=dead), timeout=120)
+    line = one_error_line(result)
+    assert f"RAY_ADDRESS={dead}: no Ray cluster answers there (connection refused)" in line, line
+    assert "No corpus" not in result.stdout  # refused before preparing anything
+    # Without the token: a fresh interpreter (Ray's client keeps the first token it reads for good),
+    # with no token in its environment or its home.
+    env = ray_session.driver_env(HOME=str(tmp_path))
+    env = {name: value for name, value in env.items() if not name.startswith("RAY_AUTH")}
+    command = [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, tmp_path, "nowhere")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    line = one_error_line(result)
+    assert line.startswith(f"raychat: error: RAY_ADDRESS={ray_session.gcs_address}: the cluster asks for its "
+                           "token: set RAY_AUTH_MODE=token"), line
+    assert result.stderr.strip() == line  # and nothing of Ray's
+    assert not (tmp_path / "nowhere").exists()
+
+
 # In the bucket only: these resume paths are the same code on both storages (raychat.storage), the
 # local ones run in test_checkpoint, and six launches per storage cost two minutes of the suite.
 @pytest.mark.parametrize("storage", ["s3"], indirect=True)

@@ -15,7 +15,9 @@ the checkpoint to resume from: nothing they would have to resolve again differen
 
 import dataclasses
 import os
+import re
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -61,7 +63,11 @@ from raychat.run.elastic import (
 from raychat.run.lease import RunLease
 from raychat.run.loop import train_loop_per_worker
 from raychat.run.quiet import VERBOSE_ENV, quiet_ray, verbose
-from raychat.run.ray_internals import record_command_line_redacted, without_dataset_manager
+from raychat.run.ray_internals import (
+    gcs_refuses_this_clients_token,
+    record_command_line_redacted,
+    without_dataset_manager,
+)
 from raychat.run.runtime_env import worker_runtime_env
 from raychat.run.worker_setup import WorkerRunConfig
 from raychat.scaling import Plan, resolve_plan
@@ -210,6 +216,8 @@ def choose_initial_weights(cfg: TrainConfig, plan: Plan, tokenizer: Tokenizer, r
 def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:
     """Every check the driver can make, cheapest first, before Ray is even started."""
     launched = time.time()
+    if not ray.is_initialized():  # (a sweep's trial runs inside the sweep's Ray)
+        check_cluster_answers(os.environ.get("RAY_ADDRESS", ""))
     check_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, cfg.gpus_per_worker)
     compile_checked = check_compile(cfg.compile, cfg.gpus_per_worker)
     cfg = resolve_paths(cfg)
@@ -222,6 +230,30 @@ def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:
     return PreparedRun(cfg=cfg, plan=plan, tokenizer=tokenizer, index=index, resume_from=resume_from,
                        resume_meta=resume_meta, init_weights=init_weights, compile_checked=compile_checked,
                        launched=launched)
+
+
+HOST_PORT = re.compile(r"[^\s/:]+:\d+")
+
+
+def check_cluster_answers(address: str, timeout_s: float = 5.0) -> None:
+    """A RAY_ADDRESS of host:port (what `ray start` prints and `ray job submit` sets) must be a
+    cluster that answers and takes this driver. Ray's own connect waits minutes on a dead address
+    and retries a missing token for ~13 s, printing as it goes, before a traceback; here either is
+    one line in at most `timeout_s`. Other forms ("auto", "ray://...") are left to Ray."""
+    if not HOST_PORT.fullmatch(address):
+        return
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        reason = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e)).lower()
+        raise RaychatError(f"RAY_ADDRESS={address}: no Ray cluster answers there ({reason}): start one "
+                           "(`ray start --head`), fix the address, or unset RAY_ADDRESS to train on a local "
+                           "Ray instance") from None
+    if gcs_refuses_this_clients_token(address):
+        raise RaychatError(f"RAY_ADDRESS={address}: the cluster asks for its token: set RAY_AUTH_MODE=token "
+                           "and RAY_AUTH_TOKEN (or put the token in ~/.ray/auth_token); `ray get-auth-token` "
+                           "on the head prints it")
 
 
 def connect_ray(cfg: TrainConfig) -> None:

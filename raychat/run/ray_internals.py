@@ -4,21 +4,25 @@ Private names move between Ray releases without notice. When one does, tests/tes
 fails with the installed Ray version in its message, and this module is the one to fix. Used by
 raychat.run.console (the driver's log printer), raychat.run.elastic (controller callbacks, the
 cluster view and its reservations, the preemption flag), raychat.run.driver (the job's recorded
-command line, the trainer's default callbacks), raychat.run.quiet (the loggers of Ray's chatter and
-Ray Data's console handler), raychat.run.runtime_env (the state API's cluster) and nothing else.
+command line, the trainer's default callbacks, a cluster's refusal of the driver), raychat.run.quiet
+(the loggers of Ray's chatter and Ray Data's console handler), raychat.run.runtime_env (the state
+API's cluster) and nothing else.
 """
 
 import logging
 import os
 import re
 from collections.abc import Callable
+from contextlib import contextmanager
 from subprocess import list2cmdline
 
 import psutil
 import ray._private.utils as ray_utils
+import ray.exceptions
 import ray.train.v2._internal.execution.context as train_context
 from ray._private import ray_constants
 from ray._private.ray_logging import global_worker_stdstream_dispatcher
+from ray._raylet import GcsClient
 from ray.experimental import internal_kv
 from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback
@@ -74,6 +78,33 @@ def pin_state_api_to_this_cluster() -> None:
                                            namespace=ray_constants.KV_NAMESPACE_DASHBOARD)
     if address:  # none without a dashboard: then there is no state API to ask either
         os.environ[ray_constants.RAY_API_SERVER_ADDRESS_ENVIRONMENT_VARIABLE] = f"http://{address.decode()}"
+
+
+def gcs_refuses_this_clients_token(address: str) -> bool:
+    """Whether the GCS at `address` (host:port, answering) refuses this process for want of the
+    cluster's token (none, or another). It is asked once for the cluster id, the first thing
+    `ray.init` asks; ray.init itself, refused, retries and prints for ~13 s before it raises.
+    Nothing public reaches a GCS before ray.init; GcsClient is Ray's private client to it."""
+    try:
+        with stderr_silenced():  # the C++ client's own warning for the refusal, said better by the caller
+            GcsClient(address=address)
+    except ray.exceptions.AuthenticationError:
+        return True
+    return False
+
+
+@contextmanager
+def stderr_silenced():
+    """File descriptor 2 to /dev/null for the block: Ray's C++ side writes there, not to sys.stderr."""
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def train_requester_id(run_id: str) -> str:
