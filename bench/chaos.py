@@ -7,6 +7,9 @@ at a time and each once the run is healthy again:
 
   kill_worker    a training worker process killed with SIGKILL
   node_loss      the node of a worker removed without notice, added back once the run shrank
+  node_swap      the node of a worker removed without notice with a spare node already up: the run
+                 restarts at its size, the lost rank's state from a peer node's memory, nothing
+                 read from storage
   spot_drain     that node drained as a spot reclaim (ray drain-node --reason
                  DRAIN_NODE_REASON_PREEMPTION, 5 s deadline), removed at the deadline, added back
   kill_driver    the driver killed with SIGKILL and the same command launched again (the new driver
@@ -24,7 +27,7 @@ equal, bit for bit, those of a reference run with no faults at 2 workers.
 
   python -m bench.chaos                   # "steady" (faults that keep 2 workers) and "elastic"
                                           # (all kinds) runs: ~10-15 min on 2 cores
-  python -m bench.chaos --short --seed 3  # one steady run, 4 faults: ~3 min on a quiet 2-core machine
+  python -m bench.chaos --short --seed 3  # one steady run, 5 faults: ~4 min on a quiet 2-core machine
 
 It stops by itself after --time-limit seconds (whatever is left is killed and reported), prints a
 table and adds it, with the date and the machine, to bench/RESULTS.md (--results). Exit 0 when
@@ -36,6 +39,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -56,10 +60,13 @@ from bench.multinode import (
     tiny_run_flags,
     use_token_auth,
 )
+from raychat.run.metrics_log import METRICS_FILE, parse_records
 from raychat.storage import Storage
 
-ALL_KINDS = ("kill_worker", "node_loss", "spot_drain", "kill_driver", "short_horizon", "second_driver")
-STEADY_KINDS = ("kill_worker", "kill_driver", "short_horizon", "second_driver")  # 2 workers throughout
+ALL_KINDS = ("kill_worker", "node_loss", "node_swap", "spot_drain", "kill_driver", "short_horizon",
+             "second_driver")
+# 2 workers throughout
+STEADY_KINDS = ("kill_worker", "node_swap", "kill_driver", "short_horizon", "second_driver")
 SAVE_EVERY, KEEP = 10, 3
 MAX_WORKERS = 2
 DRAIN_DEADLINE_S = 5
@@ -73,8 +80,8 @@ class RunSpec:
     steps: int
 
 
-MODES = {"short": [RunSpec("steady", STEADY_KINDS, 4, 80)],
-         "full": [RunSpec("steady", STEADY_KINDS, 5, 100), RunSpec("elastic", ALL_KINDS, 6, 200)]}
+MODES = {"short": [RunSpec("steady", STEADY_KINDS, 5, 150)],
+         "full": [RunSpec("steady", STEADY_KINDS, 6, 170), RunSpec("elastic", ALL_KINDS, 7, 260)]}
 
 
 @dataclass
@@ -274,6 +281,34 @@ class ChaosRun:
 
     def spot_drain(self, fault: Fault) -> None:
         self.lose_node(fault, drain=True)
+
+    def node_swap(self, fault: Fault) -> None:
+        """A node lost without notice while a spare is up (added first, so that the restart never
+        races its arrival): the group restarts at its size from the copies peer nodes hold in
+        memory (raychat.run.replicas), which the driver's line says and the attempt's start record
+        confirms (no byte of a checkpoint read from storage)."""
+        rank, pid = self.target(fault)
+        node = node_of_pid(self.ctx.nodes, pid)
+        self.ctx.nodes.append(add_node(self.ctx.cluster, self.ctx.temp_dir))
+        starts_before = len(self.start_records())
+        self.ctx.cluster.remove_node(node, allow_graceful=False)
+        self.ctx.nodes.remove(node)
+        self.disrupted(fault)
+        self.wait_for(lambda: self.recovered() and len(self.start_records()) > starts_before,
+                      "a step and a start record after the node loss")
+        start = self.start_records()[-1]
+        said = re.findall(r"continuing on (\d+) from step (\d+) \(([^)]*)\)", self.drivers[-1].read_text())
+        size, step, source = said[-1] if said else ("?", "?", "nothing said")
+        fault.note = (f"rank {rank}'s node; continued on {size} from step {step} ({source}), "
+                      f"{start['storage_read_bytes']} bytes read from storage")
+        fault.survived = (size == str(MAX_WORKERS) and source == "peer memory"
+                          and start["storage_read_bytes"] == 0)
+
+    def start_records(self) -> list[dict]:
+        """The run's attempt starts as its metrics log has them so far."""
+        if not self.run_dir.exists(METRICS_FILE):
+            return []
+        return [r for r in parse_records(self.run_dir.read_text(METRICS_FILE)) if r["kind"] == "start"]
 
     def mistake(self, fault: Fault, steps: int | None, expect: str) -> None:
         """An operator's launch that must be refused: exit 2, one `raychat: error:` line saying `expect`."""

@@ -141,7 +141,9 @@ class CheckpointWatch:
 
     def final_problems(self, horizon: int, resumed_at: int | None) -> tuple[list[str], Storage | None]:
         """What is wrong with the checkpoints at the end (empty: nothing), and the final one.
-        `resumed_at`: the step the last attempt started from (its checkpoint is never pruned)."""
+        `resumed_at`: the step the last attempt started from. Its saver never prunes the checkpoint
+        it resumed from: the one at that step, or, resumed from peer memory, the newest durable
+        one then, from which the lineage goes on (raychat.run.worker_setup)."""
         self.poll()
         problems = list(self.went_back)
         final = latest_valid_checkpoint(self.run_dir, deep=True, log=lambda m: problems.append(m))
@@ -150,8 +152,10 @@ class CheckpointWatch:
         problems += lineage_problems(self.run_dir)
         whole = sorted(self.whole_steps())
         expected = set(sorted(self.seen)[-self.keep:])
-        if resumed_at in self.seen:
-            expected.add(resumed_at)  # the saver never prunes where its attempt resumed from
+        resumed_from = max((step for step in self.seen if resumed_at is not None and step <= resumed_at),
+                           default=None)
+        if resumed_from is not None:
+            expected.add(resumed_from)
         if whole != sorted(expected):
             problems.append(f"checkpoints kept at steps {whole}, expected the newest {self.keep} saved "
                             f"and the one the last attempt resumed from: {sorted(expected)}")
