@@ -1,4 +1,5 @@
-"""Things every raychat module needs: where files live, and how a user-facing error looks.
+"""Things every raychat module needs: where files live, how a user-facing error looks, and whether an
+address a user gave answers.
 
 A `RaychatError` is a mistake the user can fix (bad flag, bad corpus, bad checkpoint). Entry points
 print it as one line naming the file or flag and the fix, and exit non-zero; anything else is a bug
@@ -7,7 +8,9 @@ and keeps its traceback.
 
 import os
 import re
+import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +35,23 @@ def check_name(value: str, flag: str) -> str:
         raise RaychatError(f"{flag} must be a name of letters, digits, '.', '_' and '-' (no '/' and no "
                            f"'..'), got {value!r}: choose such a name")
     return value
+
+
+def unreachable(host: str, port: int, timeout_s: float = 5.0, tries: int = 1) -> str | None:
+    """Why a TCP connection to host:port fails ("connection refused", "no answer", a name that does not
+    resolve) on each of `tries` attempts a second apart; None once one connects. A pre-flight for an
+    address a user typed: the client behind it (Ray's, pyarrow's S3) retries for seconds to minutes
+    before it says anything."""
+    reason = None
+    for attempt in range(tries):
+        if attempt:
+            time.sleep(1.0)
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            return None
+        except OSError as e:
+            reason = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e)).lower()
+    return reason
 
 
 def raychat_home() -> Path:

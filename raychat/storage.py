@@ -21,7 +21,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raychat.common import RaychatError, StorageUnavailable, check_name, default_storage_path
+from raychat.common import RaychatError, StorageUnavailable, check_name, default_storage_path, unreachable
 
 T = TypeVar("T")
 FileInfo = pafs.FileInfo  # what listings return: base_name, path, size, type
@@ -334,6 +334,22 @@ class Storage:
         bucket, _, prefix = self.path(name).lstrip("/").partition("/")
         return bucket, prefix
 
+    def _endpoint_override(self) -> tuple[str, int] | None:
+        """The host and port of the endpoint an s3:// location names in its query, if it names one."""
+        if urlsplit(self.location).scheme != "s3":
+            return None
+        query = dict(parse_qsl(urlsplit(self.location.unredacted()).query))
+        endpoint = query.get("endpoint_override")
+        if not endpoint:
+            return None
+        scheme = query.get("scheme", "https")
+        parts = urlsplit(endpoint if "://" in endpoint else f"{scheme}://{endpoint}")
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:  # not a port: pyarrow's own error says so
+            return None
+        return (parts.hostname, port) if parts.hostname else None
+
     def _s3_client(self):
         """A boto3 client for this location's endpoint and credentials (pyarrow exposes no
         conditional writes). Credentials come from the URI when it carries them, else from boto3's
@@ -359,6 +375,14 @@ class Storage:
         """
         from raychat.faults import retry_transient  # (it imports nothing of storage)
 
+        if (endpoint := self._endpoint_override()) is not None:
+            # A typed endpoint that nothing answers at fails here in seconds; the write below would
+            # retry it for its whole budget, and pyarrow's client for as long again.
+            host, port = endpoint
+            if (why := unreachable(host, port, timeout_s=3.0, tries=3)) is not None:
+                raise RaychatError(f"{flag} {self} is not writable: the endpoint cannot be reached "
+                                   f"({host}:{port}: {why}); check endpoint_override, the network and the "
+                                   "server")
         probe = f".raychat_write_test_{uuid.uuid4().hex}"
         try:
             # A short budget: before any worker starts, a typo in the endpoint must cost seconds,

@@ -289,7 +289,8 @@ def test_bad_storage_fails_fast_with_one_line_and_writes_nothing(tiny_corpus, tm
     # No Ray here: these must fail before the driver connects to any cluster.
     cases = {
         s3_uri(s3_endpoint, "runs", bucket="no-such-bucket"): "bucket",
-        s3_uri("127.0.0.1:1", "runs"): "endpoint cannot be reached",
+        # Refused at once: nothing listens there (not the write's 20 s of retries, then pyarrow's).
+        s3_uri("127.0.0.1:1", "runs"): "endpoint cannot be reached (127.0.0.1:1: connection refused)",
     }
     for uri, reason in cases.items():
         result = commands.run("raychat.train", *tiny_flags(tiny_corpus, uri, "bad"), timeout=120)

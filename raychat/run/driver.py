@@ -17,7 +17,6 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -34,7 +33,13 @@ from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.nanochat import NanochatCheckpoint, load_nanochat_checkpoint
 from raychat.checkpoint.resume import driver_choice
 from raychat.checkpoint.stop_note import clear_stop_note, read_stop_note
-from raychat.common import RaychatError, default_data_dir, default_storage_path, default_tokenizer_dir
+from raychat.common import (
+    RaychatError,
+    default_data_dir,
+    default_storage_path,
+    default_tokenizer_dir,
+    unreachable,
+)
 from raychat.config import TrainConfig
 from raychat.corpus.check import summarize
 from raychat.corpus.default import prepare_default_corpus
@@ -243,13 +248,10 @@ def check_cluster_answers(address: str, timeout_s: float = 5.0) -> None:
     if not HOST_PORT.fullmatch(address):
         return
     host, port = address.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        reason = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e)).lower()
+    if (reason := unreachable(host, int(port), timeout_s)) is not None:
         raise RaychatError(f"RAY_ADDRESS={address}: no Ray cluster answers there ({reason}): start one "
                            "(`ray start --head`), fix the address, or unset RAY_ADDRESS to train on a local "
-                           "Ray instance") from None
+                           "Ray instance")
     if gcs_refuses_this_clients_token(address):
         raise RaychatError(f"RAY_ADDRESS={address}: the cluster asks for its token: set RAY_AUTH_MODE=token "
                            "and RAY_AUTH_TOKEN (or put the token in ~/.ray/auth_token); `ray get-auth-token` "
