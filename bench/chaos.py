@@ -290,19 +290,24 @@ class ChaosRun:
         rank, pid = self.target(fault)
         node = node_of_pid(self.ctx.nodes, pid)
         self.ctx.nodes.append(add_node(self.ctx.cluster, self.ctx.temp_dir))
-        starts_before = len(self.start_records())
+        starts_before, said_before = len(self.start_records()), len(self.restart_lines())
         self.ctx.cluster.remove_node(node, allow_graceful=False)
         self.ctx.nodes.remove(node)
         self.disrupted(fault)
-        self.wait_for(lambda: self.recovered() and len(self.start_records()) > starts_before,
-                      "a step and a start record after the node loss")
+        # The driver's line comes through Ray's log streaming, later than the trace: wait for this
+        # restart's own, not an earlier fault's.
+        self.wait_for(lambda: self.recovered() and len(self.start_records()) > starts_before
+                      and len(self.restart_lines()) > said_before, "a restart line after the node loss")
         start = self.start_records()[-1]
-        said = re.findall(r"continuing on (\d+) from step (\d+) \(([^)]*)\)", self.drivers[-1].read_text())
-        size, step, source = said[-1] if said else ("?", "?", "nothing said")
+        size, step, source = self.restart_lines()[-1]
         fault.note = (f"rank {rank}'s node; continued on {size} from step {step} ({source}), "
                       f"{start['storage_read_bytes']} bytes read from storage")
         fault.survived = (size == str(MAX_WORKERS) and source == "peer memory"
                           and start["storage_read_bytes"] == 0)
+
+    def restart_lines(self) -> list[tuple[str, str, str]]:
+        """(world size, step, source) of each "continuing on" line the current driver logged."""
+        return re.findall(r"continuing on (\d+) from step (\d+) \(([^)]*)\)", self.drivers[-1].read_text())
 
     def start_records(self) -> list[dict]:
         """The run's attempt starts as its metrics log has them so far."""

@@ -37,21 +37,24 @@ def check_name(value: str, flag: str) -> str:
     return value
 
 
-def unreachable(host: str, port: int, timeout_s: float = 5.0, tries: int = 1) -> str | None:
+def unreachable(host: str, port: int, budget_s: float = 5.0) -> str | None:
     """Why a TCP connection to host:port fails ("connection refused", "no answer", a name that does not
-    resolve) on each of `tries` attempts a second apart; None once one connects. A pre-flight for an
-    address a user typed: the client behind it (Ray's, pyarrow's S3) retries for seconds to minutes
-    before it says anything."""
-    reason = None
-    for attempt in range(tries):
-        if attempt:
-            time.sleep(1.0)
+    resolve) on every attempt, a second apart, for `budget_s`; None once one connects. A pre-flight
+    for an address a user typed: the client behind it (Ray's, pyarrow's S3) retries for seconds to
+    minutes before it says anything, while a server restarting (a GCS, a MinIO) is ridden out."""
+    deadline = time.monotonic() + budget_s
+    while True:
         try:
-            socket.create_connection((host, port), timeout=timeout_s).close()
+            wait = max(0.5, min(3.0, deadline - time.monotonic()))
+            socket.create_connection((host, port), timeout=wait).close()
             return None
+        except socket.gaierror as e:  # a name that does not resolve is a typo, not a restart
+            return (e.strerror or str(e)).lower()
         except OSError as e:
             reason = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e)).lower()
-    return reason
+        if time.monotonic() + 1.0 >= deadline:
+            return reason
+        time.sleep(1.0)
 
 
 def raychat_home() -> Path:

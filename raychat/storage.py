@@ -379,7 +379,7 @@ class Storage:
             # A typed endpoint that nothing answers at fails here in seconds; the write below would
             # retry it for its whole budget, and pyarrow's client for as long again.
             host, port = endpoint
-            if (why := unreachable(host, port, timeout_s=3.0, tries=3)) is not None:
+            if (why := unreachable(host, port, budget_s=ENDPOINT_BUDGET_S)) is not None:
                 raise RaychatError(f"{flag} {self} is not writable: the endpoint cannot be reached "
                                    f"({host}:{port}: {why}); check endpoint_override, the network and the "
                                    "server")
@@ -418,6 +418,7 @@ class AppendFile:
 
 Location = str | Path | Storage
 PROBE_BUDGET_S = 20.0  # how long the pre-flight write probe rides out transient faults
+ENDPOINT_BUDGET_S = 10.0  # how long an endpoint that refuses connections may take to come (back) up
 
 
 def botocore_errors():

@@ -103,7 +103,10 @@ def test_two_workers_learn_log_checkpoint_sample_and_resume(ray_session, tiny_co
     # (raychat.run.driver.RaychatTrainer): one process less on every start and restart.
     from ray.util.state import list_actors
 
-    assert not list_actors(filters=[("class_name", "=", "DatasetManager")], raise_on_missing_output=False)
+    # (The session's cluster named: without an address the state API looks for "the" cluster of the
+    # machine, and finds two where another Ray runs beside the tests.)
+    assert not list_actors(address=ray_session.dashboard_url, filters=[("class_name", "=", "DatasetManager")],
+                           raise_on_missing_output=False)
 
 
 # On local disk only: a restart reads its checkpoint back from the bucket in the test above (resume by
@@ -166,7 +169,8 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
     from ray.util.state import list_actors
 
     deadline = time.time() + 60
-    while list_actors(filters=[("class_name", "=", "ReplicaHolder"), ("state", "=", "ALIVE")]):
+    holders = [("class_name", "=", "ReplicaHolder"), ("state", "=", "ALIVE")]
+    while list_actors(address=ray_session.dashboard_url, filters=holders):
         assert time.time() < deadline, "replica holders outlived their runs"
         time.sleep(1)
     ref_state = final_model_state(Storage(storage).child("reference"))
@@ -312,6 +316,11 @@ def test_a_cluster_that_is_not_there_or_wants_a_token_is_one_line(ray_session, t
     line = one_error_line(result)
     assert f"RAY_ADDRESS={dead}: no Ray cluster answers there (connection refused)" in line, line
     assert "No corpus" not in result.stdout  # refused before preparing anything
+    # The dashboard's port, a common slip: something answers, but not a Ray cluster.
+    dashboard = ray_session.dashboard_url.removeprefix("http://")
+    line = one_error_line(commands.run("raychat.train", *tiny_flags(tiny_corpus, tmp_path, "nowhere"),
+                                       env=ray_session.driver_env(RAY_ADDRESS=dashboard), timeout=120))
+    assert f"RAY_ADDRESS={dashboard}: something answers there, but not a Ray cluster" in line, line
     # Without the token: a fresh interpreter (Ray's client keeps the first token it reads for good),
     # with no token in its environment or its home.
     env = ray_session.driver_env(HOME=str(tmp_path))
@@ -319,8 +328,8 @@ def test_a_cluster_that_is_not_there_or_wants_a_token_is_one_line(ray_session, t
     command = [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, tmp_path, "nowhere")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     line = one_error_line(result)
-    assert line.startswith(f"raychat: error: RAY_ADDRESS={ray_session.gcs_address}: the cluster asks for its "
-                           "token: set RAY_AUTH_MODE=token"), line
+    assert line.startswith(f"raychat: error: RAY_ADDRESS={ray_session.gcs_address}: the cluster refuses this "
+                           "driver's token (none, or another): set RAY_AUTH_MODE=token"), line
     assert result.stderr.strip() == line  # and nothing of Ray's
     assert not (tmp_path / "nowhere").exists()
 

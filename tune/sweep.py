@@ -20,6 +20,7 @@ its run name and storage path do not change.
 import argparse
 import dataclasses
 import json
+import os
 import time
 
 import ray
@@ -31,6 +32,7 @@ from raychat.common import RaychatError, check_name, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.plan import plan_vocab_size
 from raychat.run.driver import (
+    check_cluster_answers,
     connect_ray,
     final_report,
     fit_run,
@@ -270,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_trials(trials))
         return 0
 
+    check_cluster_answers(os.environ.get("RAY_ADDRESS", ""))
     Storage(runs_path).check_writable()
     # Every trial reads the corpus and tokenizer the driver checks here, wherever it runs.
     storage_path = base.storage_path

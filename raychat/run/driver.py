@@ -69,7 +69,7 @@ from raychat.run.lease import RunLease
 from raychat.run.loop import train_loop_per_worker
 from raychat.run.quiet import VERBOSE_ENV, quiet_ray, verbose
 from raychat.run.ray_internals import (
-    gcs_refuses_this_clients_token,
+    gcs_refusal,
     record_command_line_redacted,
     without_dataset_manager,
 )
@@ -240,22 +240,29 @@ def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:
 HOST_PORT = re.compile(r"[^\s/:]+:\d+")
 
 
-def check_cluster_answers(address: str, timeout_s: float = 5.0) -> None:
-    """A RAY_ADDRESS of host:port (what `ray start` prints and `ray job submit` sets) must be a
-    cluster that answers and takes this driver. Ray's own connect waits minutes on a dead address
-    and retries a missing token for ~13 s, printing as it goes, before a traceback; here either is
-    one line in at most `timeout_s`. Other forms ("auto", "ray://...") are left to Ray."""
+def check_cluster_answers(address: str) -> None:
+    """A RAY_ADDRESS of host:port (what `ray start` prints and `ray job submit` sets) must be a Ray
+    cluster that answers and takes this driver. Ray's own connect waits minutes on a dead address or
+    on a server that is not a Ray cluster, and retries a missing token for ~13 s, printing as it goes,
+    before a traceback; here each is one line within seconds. Other forms ("auto", "ray://...") are
+    left to Ray."""
+    address = address.strip()
     if not HOST_PORT.fullmatch(address):
         return
     host, port = address.rsplit(":", 1)
-    if (reason := unreachable(host, int(port), timeout_s)) is not None:
+    if (reason := unreachable(host, int(port))) is not None:
         raise RaychatError(f"RAY_ADDRESS={address}: no Ray cluster answers there ({reason}): start one "
                            "(`ray start --head`), fix the address, or unset RAY_ADDRESS to train on a local "
                            "Ray instance")
-    if gcs_refuses_this_clients_token(address):
-        raise RaychatError(f"RAY_ADDRESS={address}: the cluster asks for its token: set RAY_AUTH_MODE=token "
-                           "and RAY_AUTH_TOKEN (or put the token in ~/.ray/auth_token); `ray get-auth-token` "
-                           "on the head prints it")
+    refusal = gcs_refusal(address)
+    if refusal == "token":
+        raise RaychatError(f"RAY_ADDRESS={address}: the cluster refuses this driver's token (none, or "
+                           "another): set RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN or "
+                           "~/.ray/auth_token; `ray get-auth-token` on the head prints it")
+    if refusal == "not a GCS":
+        raise RaychatError(f"RAY_ADDRESS={address}: something answers there, but not a Ray cluster: use the "
+                           "address `ray start --head` printed (port 6379 by default), not the dashboard's "
+                           "(8265)")
 
 
 def connect_ray(cfg: TrainConfig) -> None:

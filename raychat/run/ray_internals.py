@@ -22,7 +22,7 @@ import ray.exceptions
 import ray.train.v2._internal.execution.context as train_context
 from ray._private import ray_constants
 from ray._private.ray_logging import global_worker_stdstream_dispatcher
-from ray._raylet import GcsClient
+from ray._raylet import InnerGcsClient
 from ray.experimental import internal_kv
 from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback
@@ -80,17 +80,22 @@ def pin_state_api_to_this_cluster() -> None:
         os.environ[ray_constants.RAY_API_SERVER_ADDRESS_ENVIRONMENT_VARIABLE] = f"http://{address.decode()}"
 
 
-def gcs_refuses_this_clients_token(address: str) -> bool:
-    """Whether the GCS at `address` (host:port, answering) refuses this process for want of the
-    cluster's token (none, or another). It is asked once for the cluster id, the first thing
-    `ray.init` asks; ray.init itself, refused, retries and prints for ~13 s before it raises.
-    Nothing public reaches a GCS before ray.init; GcsClient is Ray's private client to it."""
+def gcs_refusal(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why the Ray cluster at `address` (host:port, where something answers) will not take this
+    process as a client, or None when it will: "token" when it refuses the process's token (none,
+    or another), "not a GCS" when what answers there is not a Ray cluster's GCS (a dashboard's port,
+    another server). One cluster-id request, the first thing `ray.init` makes; ray.init itself
+    retries a refusal for ~13 s and waits minutes on a server that is not a GCS, printing as it
+    goes. Nothing public reaches a GCS before ray.init; InnerGcsClient is Ray's private client, and
+    its `standalone` constructor the one that takes a deadline."""
     try:
-        with stderr_silenced():  # the C++ client's own warning for the refusal, said better by the caller
-            GcsClient(address=address)
+        with stderr_silenced():  # the C++ client's own warnings, said better by the caller
+            InnerGcsClient.standalone(address, None, int(timeout_s * 1000))
     except ray.exceptions.AuthenticationError:
-        return True
-    return False
+        return "token"
+    except ray.exceptions.RpcError:
+        return "not a GCS"
+    return None
 
 
 @contextmanager
