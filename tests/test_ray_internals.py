@@ -179,3 +179,13 @@ def test_the_state_api_pin_reads_what_rays_own_lookup_reads():
     env = {k: v for k, v in os.environ.items() if k != "RAY_API_SERVER_ADDRESS"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0 and done.stdout.split() == ["unset"], done.stderr[-2000:]
+
+
+def test_the_gcs_client_takes_a_deadline_and_refusals_have_their_types():
+    """gcs_refusal's one request: InnerGcsClient.standalone(address, cluster_id, timeout_ms), raising
+    AuthenticationError for a refused token and RpcError for a server that is not a GCS."""
+    client = _require(_module("ray._raylet"), "InnerGcsClient", "ray._raylet")
+    standalone = _require(client, "standalone", "ray._raylet.InnerGcsClient")
+    assert "timeout_ms" in (standalone.__doc__ or ""), f"{standalone.__doc__} ({NEEDED})"
+    for name in ("AuthenticationError", "RpcError"):
+        _require(ray.exceptions, name, "ray.exceptions")
