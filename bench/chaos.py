@@ -179,6 +179,16 @@ class ChaosRun:
         return (now.attempt > self.settled_after and now.world_size == MAX_WORKERS and now.step >= step
                 and self.watch.newest >= 0)
 
+    def memory_covers(self) -> bool:
+        """Whether peer memory holds every rank's state at or past the newest durable checkpoint, with
+        no save due in the next two steps. Else a restart rightly restores the checkpoint: right after
+        a restart (the attempt's first replica comes a few steps in) or a save that lands as the node
+        goes, which is not what a node swap is there to test."""
+        now = progress(self.trace)
+        held = [now.replicas.get(rank) for rank in range(now.world_size)]
+        return (all(step is not None and step >= self.watch.newest for step in held)
+                and all((now.step + ahead) % SAVE_EVERY for ahead in (1, 2)))
+
     def recovered(self, world_size: int | None = None) -> bool:
         now = progress(self.trace)
         return now.attempt > self.settled_after and now.step >= 0 and world_size in (None, now.world_size)
@@ -207,8 +217,10 @@ class ChaosRun:
         for fault in self.schedule:
             # Recoveries redo steps and take time, so a run can reach its horizon before the last
             # faults: those stay "not injected", and the audit says so.
-            self.wait_for(lambda f=fault: self.healthy_at(f.at_step) or self.driver.poll() is not None,
-                          f"step {fault.at_step}", driver_may_exit=True)
+            # A node swap tests the memory tier, so it waits for a state the tier covers.
+            ready = self.memory_covers if fault.kind == "node_swap" else lambda: True
+            self.wait_for(lambda f=fault, ready=ready: (self.healthy_at(f.at_step) and ready())
+                          or self.driver.poll() is not None, f"step {fault.at_step}", driver_may_exit=True)
             if self.driver.poll() is not None:
                 return
             self.inject(fault)

@@ -27,6 +27,7 @@ class Progress:
     world_size: int = 0
     step: int = -1
     pids: dict[int, int] = field(default_factory=dict)  # rank -> worker process id
+    replicas: dict[int, int | None] = field(default_factory=dict)  # rank -> newest step held in peer memory
 
 
 def _last_line(path: Path) -> dict | None:
@@ -51,6 +52,7 @@ def progress(trace_dir: Path) -> Progress:
             now = Progress(float(attempt), last["world_size"])
         now.step = max(now.step, last["step"])
         now.pids[int(rank.removeprefix("rank"))] = int(pid)
+        now.replicas[int(rank.removeprefix("rank"))] = last.get("replica")
     return now
 
 

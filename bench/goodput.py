@@ -15,6 +15,8 @@ detection the shipped cluster configs set (cluster/h100.yaml's --system-config),
     once by its final timeline.
 
 Kinds: node_loss (a worker's node removed without notice and added back once the run shrank),
+node_swap (a worker's node removed without notice with a spare node up: the run goes on at its size
+from the copies peer nodes hold in memory, raychat.run.replicas),
 spot_drain (the same after a spot notice: `ray drain-node` with a 5 s deadline), kill_worker (a
 worker process SIGKILLed).
 
@@ -42,7 +44,7 @@ from bench.chaos_audit import progress
 from bench.chaos_report import add_to_section, audit_run, machine, run_ledger
 from bench.multinode import local_cluster, prepare_inputs, use_token_auth
 
-KINDS = ("node_loss", "spot_drain", "kill_worker")
+KINDS = ("node_loss", "node_swap", "spot_drain", "kill_worker")
 TEN_MINUTES_S = 600.0
 SECTION = "## Goodput against a fault rate (bench/goodput.py)"
 INTRO = ("`python -m bench.goodput` (see its --help): the same elastic run (`--num-workers 1:2`, tiny d2 "
@@ -93,8 +95,10 @@ class FaultEveryNMinutes(ChaosRun):
             due = time.monotonic() + self.every_s
             self.wait_for(lambda due=due: time.monotonic() >= due or self.driver.poll() is not None,
                           "the next fault", driver_may_exit=True)
-            self.wait_for(lambda: self.healthy_at(0) or self.driver.poll() is not None,
-                          "a healthy run", driver_may_exit=True)
+            # A node swap measures the memory tier: it waits the few steps until the tier covers the
+            # state (after a restart, or a save newer than the replicas: bench.chaos memory_covers).
+            self.wait_for(lambda: (self.healthy_at(0) and (self.kind != "node_swap" or self.memory_covers()))
+                          or self.driver.poll() is not None, "a healthy run", driver_may_exit=True)
             step = progress(self.trace).step
             # A fault in the last steps would land on a run that is ending (it finishes, or redoes its
             # final evaluation): no recovery to measure.
