@@ -49,11 +49,20 @@ def join_uri(location: str, *names: str) -> str:
 # Query parameters that carry credentials (pyarrow's S3 options access_key, secret_key, session_token,
 # and their like on other stores), matched anywhere in the name.
 SECRET_PARAM = re.compile(r"key|token|secret|password|credential", re.IGNORECASE)
+# A query value that is a URL with credentials of its own (`endpoint_override=http://user:pw@host`):
+# group 2 is its user:password.
+VALUE_USERINFO = re.compile(r"^((?:[a-zA-Z][\w+.-]*://)?)([^@]*)@")
+
+
+def _redact_param(name: str, value: str) -> str:
+    if SECRET_PARAM.search(name):
+        return "***"
+    return VALUE_USERINFO.sub(r"\1***@", value)
 
 
 def redact(location: str) -> str:
-    """`location` safe to print, log or store: a URI's user:password@ (`s3://KEY:SECRET@bucket/...`)
-    and any credential-like query parameter become `***`."""
+    """`location` safe to print, log or store: a URI's user:password@ (`s3://KEY:SECRET@bucket/...`),
+    any credential-like query parameter and a parameter's own user:password@ become `***`."""
     if not is_uri(location):
         return location
     parts = urlsplit(location)
@@ -63,7 +72,7 @@ def redact(location: str) -> str:
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if SECRET_PARAM.search(k) else v) for k, v in pairs], safe="*:/")
+        query = urlencode([(k, _redact_param(k, v)) for k, v in pairs], safe="*:/@")
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
@@ -90,7 +99,11 @@ class SafeLocation(str):
             return text
         text = text.replace(self._uri, self)
         secrets = [parts.username, parts.password]
-        secrets += [v for k, v in parse_qsl(parts.query) if SECRET_PARAM.search(k)]
+        for name, value in parse_qsl(parts.query):
+            if SECRET_PARAM.search(name):
+                secrets.append(value)
+            elif (inner := VALUE_USERINFO.match(value)) is not None:
+                secrets += inner.group(2).split(":", 1)
         for secret in filter(None, secrets):
             text = text.replace(secret, "***").replace(unquote(secret), "***")
         return text

@@ -66,6 +66,12 @@ def test_a_safe_location_shows_no_secret_and_opens_with_it():
     settings = Storage(pickle.loads(pickle.dumps(location))).child("r").fs.__reduce__()[1][0]
     assert (settings["access_key"], settings["secret_key"]) == (KEY, SECRET)
     assert normalize_location("/data/runs") == "/data/runs"
+    # Credentials written into the endpoint itself are hidden as well.
+    inner = normalize_location(f"s3://bucket/runs?endpoint_override=http://{KEY}:{QUOTED_SECRET}@127.0.0.1:9"
+                               "&scheme=http")
+    assert str(inner) == "s3://bucket/runs?endpoint_override=http://***@127.0.0.1:9&scheme=http"
+    assert inner.scrub(f"refused at http://{KEY}:{SECRET}@127.0.0.1:9") == "refused at http://***:***@127.0.0.1:9"
+    assert_no_secret(str(Storage(inner).child("r")) + repr(Storage(inner)), "an endpoint's credentials")
 
 
 @pytest.mark.parametrize("name", ["d12", "run-1.2_x", "A.b"])
