@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -94,6 +95,24 @@ def modules_loaded_by(code: str, *modules: str) -> set[str]:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return set(done.stdout.strip().splitlines()[-1].split()) if done.stdout.strip() else set()
+
+
+@contextmanager
+def gone_cluster_recorded() -> Iterator[str]:
+    """A private RAY_TMPDIR whose ray_current_cluster names a cluster that is gone (127.0.0.1:1), as
+    a machine's last `ray start` leaves it: a command that lets ray.init() find "the machine's cluster"
+    there fails. Whatever Ray started under it is stopped at the end."""
+    from bench.multinode import stop_processes_under
+
+    ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths stay < 108 chars
+    os.makedirs(os.path.join(ray_tmp, "ray"))
+    with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
+        f.write("127.0.0.1:1")  # nothing listens there
+    try:
+        yield ray_tmp
+    finally:
+        stop_processes_under(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def log_lines(output: str, pattern: re.Pattern) -> list[re.Match]:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from core_bundle import write_word_bundle
-from helpers import log_lines, one_error_line, run_train, tiny_flags
+from helpers import gone_cluster_recorded, log_lines, one_error_line, run_train, tiny_flags
 
 from raychat.checkpoint.format import read_meta
 from raychat.storage import Storage
@@ -30,11 +30,12 @@ def core_run(ray_session, tiny_corpus, tmp_path_factory):
     return root / "runs", bundle, result.stdout
 
 
-def run_evaluate(cluster, storage, bundle, tokenizer_dir, *extra: str) -> subprocess.CompletedProcess:
+def run_evaluate(cluster, storage, bundle, tokenizer_dir, *extra: str,
+                 **env: str) -> subprocess.CompletedProcess:
     command = ["core", "--run-name", "core", "--storage-path", str(storage),
                "--tokenizer-dir", str(tokenizer_dir), "--eval-bundle", str(bundle), *extra]
     return subprocess.run([sys.executable, "-m", "raychat.evaluate", *command], capture_output=True,
-                          text=True, timeout=300, env=cluster.driver_env())
+                          text=True, timeout=300, env=cluster.driver_env(**env))
 
 
 def test_the_loop_logs_reports_and_saves_core(core_run):
@@ -50,8 +51,13 @@ def test_the_loop_logs_reports_and_saves_core(core_run):
 def test_evaluate_core_agrees_with_the_loop_at_any_worker_count(ray_session, core_run, tiny_corpus):
     storage, bundle, out = core_run
     in_loop = log_lines(out, CORE_LINE)[-1].group(2)
-    for workers in ("1", "2"):
-        result = run_evaluate(ray_session, storage, bundle, tiny_corpus[1], "--num-workers", workers)
+    # 2 workers with no RAY_ADDRESS: a local Ray instance of its own, never the cluster the machine's
+    # last `ray start` recorded (here one that is gone).
+    with gone_cluster_recorded() as ray_tmp:
+        results = [run_evaluate(ray_session, storage, bundle, tiny_corpus[1], "--num-workers", "1"),
+                   run_evaluate(ray_session, storage, bundle, tiny_corpus[1], "--num-workers", "2",
+                                RAY_ADDRESS="", RAY_TMPDIR=ray_tmp)]
+    for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
         assert "step 4" in result.stdout
         assert re.search(r"^capitals +1-shot multiple_choice +accuracy: \d\.\d{4} \| centered: -?\d\.\d{4}$",
@@ -62,6 +68,10 @@ def test_evaluate_core_agrees_with_the_loop_at_any_worker_count(ray_session, cor
     (broken / "eval_meta_data.csv").write_text("Eval Task,Random baseline\n")
     line = one_error_line(run_evaluate(ray_session, storage, broken, tiny_corpus[1]))
     assert "eval_meta_data.csv is malformed" in line
+    # A RAY_ADDRESS where nothing answers is one line, not minutes in Ray's connect.
+    line = one_error_line(run_evaluate(ray_session, storage, bundle, tiny_corpus[1], "--num-workers", "2",
+                                       RAY_ADDRESS="127.0.0.1:1"))
+    assert line.startswith("raychat: error: RAY_ADDRESS=127.0.0.1:1: no Ray cluster answers there"), line
 
 
 def test_driver_refuses_a_bad_bundle_before_any_worker(ray_session, tiny_corpus, tmp_path):

@@ -3,19 +3,15 @@ turned into errors (RAYCHAT_STRICT_WARNINGS) finishes, and its output has raycha
 Ray's per-report and per-dataset chatter; RAYCHAT_VERBOSE brings the chatter back."""
 
 import logging
-import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import warnings
 
 import pytest
-from helpers import STEP_LINE, VAL_LINE, log_lines, tiny_flags
+from helpers import STEP_LINE, VAL_LINE, gone_cluster_recorded, log_lines, tiny_flags
 from run_output import foreign_lines
 
-from bench.multinode import stop_processes_under
 from raychat.run import quiet
 from raychat.run.console import print_batch
 from raychat.run.driver import ray_line
@@ -34,18 +30,11 @@ def test_tiny_run_calls_no_deprecated_ray_api_and_logs_no_chatter(ray_session, t
     that address (and refuse num_cpus: a traceback), and Ray Train's actors would ask it whether their
     actors live (the cleaner's stop times out: a traceback and a 13-50 s stall at the end): the run
     starts its own instance, and its processes ask their own."""
-    ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths stay < 108 chars
-    os.makedirs(os.path.join(ray_tmp, "ray"))
-    with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
-        f.write("127.0.0.1:1")  # nothing listens there
-    env = ray_session.driver_env(RAYCHAT_STRICT_WARNINGS="1", RAY_TMPDIR=ray_tmp, RAY_ADDRESS="")
     flags = ["--num-workers", "1", "--total-batch-size", "1024", "--num-iterations", "6", "--eval-every", "3"]
-    try:
+    with gone_cluster_recorded() as ray_tmp:
+        env = ray_session.driver_env(RAYCHAT_STRICT_WARNINGS="1", RAY_TMPDIR=ray_tmp, RAY_ADDRESS="")
         command = [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, storage, "quiet", *flags)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
-    finally:
-        stop_processes_under(ray_tmp)  # what the driver's local instance left, if anything
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     local = r"^Ray: started a local instance; dashboard http://127\.0\.0\.1:\d+"

@@ -31,8 +31,8 @@ import raychat
 from raychat.common import RaychatError, check_name, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.plan import plan_vocab_size
+from raychat.run.cluster_address import check_cluster_answers
 from raychat.run.driver import (
-    check_cluster_answers,
     connect_ray,
     final_report,
     fit_run,

@@ -15,7 +15,6 @@ the checkpoint to resume from: nothing they would have to resolve again differen
 
 import dataclasses
 import os
-import re
 import signal
 import threading
 import time
@@ -38,7 +37,6 @@ from raychat.common import (
     default_data_dir,
     default_storage_path,
     default_tokenizer_dir,
-    unreachable,
 )
 from raychat.config import TrainConfig
 from raychat.corpus.check import summarize
@@ -48,6 +46,7 @@ from raychat.data.loader import check_cursor_fits
 from raychat.model.compile_check import check_compile
 from raychat.model.precision import check_precision
 from raychat.optim.registry import check_same_optimizer
+from raychat.run.cluster_address import LOCAL, check_cluster_answers
 from raychat.run.console import install_driver_printer, plain_when_redirected
 from raychat.run.coordinator import (
     FinalResult,
@@ -68,11 +67,7 @@ from raychat.run.elastic import (
 from raychat.run.lease import RunLease
 from raychat.run.loop import train_loop_per_worker
 from raychat.run.quiet import VERBOSE_ENV, quiet_ray, verbose
-from raychat.run.ray_internals import (
-    gcs_refusal,
-    record_command_line_redacted,
-    without_dataset_manager,
-)
+from raychat.run.ray_internals import record_command_line_redacted, without_dataset_manager
 from raychat.run.runtime_env import worker_runtime_env
 from raychat.run.worker_setup import WorkerRunConfig
 from raychat.scaling import Plan, resolve_plan
@@ -237,34 +232,6 @@ def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:
                        launched=launched)
 
 
-HOST_PORT = re.compile(r"[^\s/:]+:\d+")
-
-
-def check_cluster_answers(address: str) -> None:
-    """A RAY_ADDRESS of host:port (what `ray start` prints and `ray job submit` sets) must be a Ray
-    cluster that answers and takes this driver. Ray's own connect waits minutes on a dead address or
-    on a server that is not a Ray cluster, and retries a missing token for ~13 s, printing as it goes,
-    before a traceback; here each is one line within seconds. Other forms ("auto", "ray://...") are
-    left to Ray."""
-    address = address.strip()
-    if not HOST_PORT.fullmatch(address):
-        return
-    host, port = address.rsplit(":", 1)
-    if (reason := unreachable(host, int(port))) is not None:
-        raise RaychatError(f"RAY_ADDRESS={address}: no Ray cluster answers there ({reason}): start one "
-                           "(`ray start --head`), fix the address, or unset RAY_ADDRESS to train on a local "
-                           "Ray instance")
-    refusal = gcs_refusal(address)
-    if refusal == "token":
-        raise RaychatError(f"RAY_ADDRESS={address}: the cluster refuses this driver's token (none, or "
-                           "another): set RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN or "
-                           "~/.ray/auth_token; `ray get-auth-token` on the head prints it")
-    if refusal == "not a GCS":
-        raise RaychatError(f"RAY_ADDRESS={address}: something answers there, but not a Ray cluster: use the "
-                           "address `ray start --head` printed (port 6379 by default), not the dashboard's "
-                           "(8265)")
-
-
 def connect_ray(cfg: TrainConfig) -> None:
     """Join the cluster named by RAY_ADDRESS (set by `ray job submit`), else start a local one sized
     for the run's workers. --verbose keeps Ray's own chatter, here and in the workers (raychat.run.quiet)."""
@@ -294,7 +261,7 @@ def connect_ray(cfg: TrainConfig) -> None:
         # (and refuse num_cpus for), or fail to reach when that cluster is gone. Joining one is
         # what RAY_ADDRESS is for.
         cpus = max(os.cpu_count() or 1, max_workers) + 2
-        context = ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+        context = ray.init(address=LOCAL, num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                            log_to_driver=True, runtime_env=runtime_env)
     install_driver_printer()
     print(ray_line(context.address_info.get("gcs_address", ""), context.dashboard_url, joined), flush=True)
