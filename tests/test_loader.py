@@ -18,7 +18,7 @@ from raychat.common import RaychatError
 from raychat.corpus.fixture import write_synthetic_corpus
 from raychat.corpus.index import CorpusIndex, read_unit_texts
 from raychat.data.cursor import Cursor, RankCursor, UnitSchedule
-from raychat.data.loader import TrainLoader, merge_cursor
+from raychat.data.loader import WARM_START_READS, TrainLoader, merge_cursor
 from raychat.data.packer import BestFitPacker
 from raychat.data.validation import pack_validation_rows
 from raychat.tokenizer.core import Tokenizer
@@ -94,8 +94,10 @@ def through_json(ranks: list[TrainLoader]) -> Cursor:
 
 def test_same_world_size_resume_gives_identical_batches(corpus, ray_session):
     index, tokenizer_dir = corpus
-    # With a shuffled unit order (seed 7), as the trainer may run.
-    ranks = [TrainLoader(index, tokenizer_dir, T, r, 2, shuffle_seed=7, buffer_size=BUFFER) for r in range(2)]
+    # With a shuffled unit order (seed 7), as the trainer may run, and a buffer of documents from more
+    # units than the loader's warm start would read for a fresh start (WARM_START_READS).
+    buffer = 120
+    ranks = [TrainLoader(index, tokenizer_dir, T, r, 2, shuffle_seed=7, buffer_size=buffer) for r in range(2)]
     positions = []
     for loader in ranks:
         collect(loader, 6)
@@ -107,8 +109,14 @@ def test_same_world_size_resume_gives_identical_batches(corpus, ray_session):
         loader.close()
     for r in range(2):
         with TrainLoader(index, tokenizer_dir, T, r, 2, cursor=merged, shuffle_seed=7,
-                         buffer_size=BUFFER) as resumed:
-            got, _ = collect(resumed, 12)
+                         buffer_size=buffer) as resumed:
+            got, taken = collect(resumed, 12)
+            # The documents the cursor owes are read in this process, none left to Ray Data's first
+            # tasks (seconds to start on a restarted group's node).
+            owed = resumed._sequence.handover
+            while len(taken) < sum(len(read.rows) for read in owed):  # until all of them came
+                taken += collect(resumed, 1)[1]
+            assert len(owed) > WARM_START_READS and resumed._reader.warm_reads >= len(owed), len(owed)
         assert torch.equal(torch.from_numpy(got), torch.from_numpy(expected[r]))
 
 

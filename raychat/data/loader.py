@@ -124,8 +124,10 @@ class SourceReader:
     """
 
     def __init__(self, source: Callable[[int], Source], units: list[Unit], tokenizer_dir: str,
-                 location: str, data_tasks: int = 1):
+                 location: str, data_tasks: int = 1, owed_reads: int = 0):
         self._source = source
+        self._owed_reads = owed_reads  # the first reads, of the documents a resume's cursor owes
+        self.warm_reads = 0  # how many of the first reads were read in this process so far
         self._units = units
         self._location = location
         self._tokenizer_dir = str(tokenizer_dir)
@@ -179,14 +181,22 @@ class SourceReader:
         """Tokenize the first reads in this process; returns how many. Ray Data's first tasks wait
         seconds for worker processes to start and import, while the packer needs its buffer of
         ~1000 documents before the first row: tokenizing those here (~0.3 s per 1000 documents)
-        takes that wait off step 0, and Ray Data continues from the next read."""
+        takes that wait off step 0, and Ray Data continues from the next read.
+
+        A resume's first reads are the documents its cursor owes (the packer's buffer when it was
+        saved: a few dozen each from a dozen units or more), and the packer needs nearly all of them
+        for its first row: all of them are read here, as Ray Data would read them, but without waiting
+        for its first tasks' processes to start on a restarted group's node. The first step after a
+        restart waited 11-12 s for its rows (bench.goodput node_swap); a resumed loader on a fresh
+        local Ray had its first rows after 7.8-9.1 s, 3.8-5.2 s with its 13 owed reads read here."""
         k = docs = 0
-        while docs < WARM_START_DOCS and k < WARM_START_READS:
+        while k < self._owed_reads or (docs < WARM_START_DOCS and k < self._owed_reads + WARM_START_READS):
             table = _tokenize_reads([self._read(k)], self._tokenizer_dir, self._location)
+            k += 1
+            self.warm_reads = k  # before its documents are handed over: a consumer of them sees it
             for read, docs_of_read in _split_by_read(table):
                 self._put((read, docs_of_read))
             docs += table.num_rows
-            k += 1
         return k
 
     def _run(self) -> None:
@@ -286,7 +296,7 @@ class TrainLoader:
             check_cursor_fits(cursor, schedule.num_units, shuffle_seed, index.data_dir)
         self._sequence = RankSequence(rank_cursor(cursor, rank, world_size, schedule), schedule)
         self._reader = SourceReader(self._sequence.source, index.train, tokenizer_dir, index.data_dir,
-                                    data_tasks)
+                                    data_tasks, owed_reads=len(self._sequence.handover))
         self._feed = DocFeed(self._sequence, self._reader)
         self._packer = BestFitPacker(seq_len + 1, buffer_size)
         # Consumed ids for consumed_doc_ids(), 12 bytes each (a long run that never asks for them
