@@ -47,6 +47,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from bench.chaos_audit import CheckpointWatch, progress
 from bench.chaos_report import audit_run, machine, print_table, run_ledger, write_results
@@ -70,6 +71,7 @@ STEADY_KINDS = ("kill_worker", "node_swap", "kill_driver", "short_horizon", "sec
 SAVE_EVERY, KEEP = 10, 3
 MAX_WORKERS = 2
 DRAIN_DEADLINE_S = 5
+COVER_WAIT_S = 60  # a node swap waits at most this long for peer memory to cover the state
 
 
 @dataclass
@@ -139,6 +141,12 @@ class ChaosRun:
     exit_code: int | None = None
     stopped: str = ""  # why the run was cut short, if it was
 
+    # The save interval the run's flags set (None: the auto cadence), and whether a node swap must
+    # continue from peer memory to count as survived (bench.goodput measures what a swap costs,
+    # whichever tier it restores from).
+    save_every: ClassVar[int | None] = SAVE_EVERY
+    swap_needs_memory: ClassVar[bool] = True
+
     def __post_init__(self) -> None:
         self.trace = self.ctx.out / f"trace_{self.spec.name}"
         self.trace.mkdir(parents=True, exist_ok=True)
@@ -180,14 +188,22 @@ class ChaosRun:
                 and self.watch.newest >= 0)
 
     def memory_covers(self) -> bool:
-        """Whether peer memory holds every rank's state at or past the newest durable checkpoint, with
-        no save due in the next two steps. Else a restart rightly restores the checkpoint: right after
-        a restart (the attempt's first replica comes a few steps in) or a save that lands as the node
-        goes, which is not what a node swap is there to test."""
+        """Whether peer memory holds every rank's state at or past the newest checkpoint saved (whole,
+        or submitted at a step of --save-every's), with none due in the next two steps. Else a restart
+        rightly restores the checkpoint: right after a restart (the attempt's first replica comes a few
+        steps in) or a save that lands as the node goes, which is not what a node swap is there to
+        test. (Under the auto cadence, `save_every` None, only the whole checkpoints are known.)"""
         now = progress(self.trace)
         held = [now.replicas.get(rank) for rank in range(now.world_size)]
-        return (all(step is not None and step >= self.watch.newest for step in held)
-                and all((now.step + ahead) % SAVE_EVERY for ahead in (1, 2)))
+        if any(step is None for step in held):
+            return False
+        newest = self.watch.newest
+        if self.save_every:  # the loop is at step now.step + 1, where a save may be under way
+            newest = max(newest, self.save_every * ((now.step + 1) // self.save_every))
+            # the next three steps: the node takes ~1 s to go
+            if any((now.step + ahead) % self.save_every == 0 for ahead in (2, 3, 4)):
+                return False
+        return min(held) >= newest
 
     def recovered(self, world_size: int | None = None) -> bool:
         now = progress(self.trace)
@@ -217,10 +233,8 @@ class ChaosRun:
         for fault in self.schedule:
             # Recoveries redo steps and take time, so a run can reach its horizon before the last
             # faults: those stay "not injected", and the audit says so.
-            # A node swap tests the memory tier, so it waits for a state the tier covers.
-            ready = self.memory_covers if fault.kind == "node_swap" else lambda: True
-            self.wait_for(lambda f=fault, ready=ready: (self.healthy_at(f.at_step) and ready())
-                          or self.driver.poll() is not None, f"step {fault.at_step}", driver_may_exit=True)
+            self.wait_for(lambda f=fault: self.healthy_at(f.at_step) or self.driver.poll() is not None,
+                          f"step {fault.at_step}", driver_may_exit=True)
             if self.driver.poll() is not None:
                 return
             self.inject(fault)
@@ -296,12 +310,24 @@ class ChaosRun:
 
     def node_swap(self, fault: Fault) -> None:
         """A node lost without notice while a spare is up (added first, so that the restart never
-        races its arrival): the group restarts at its size from the copies peer nodes hold in
-        memory (raychat.run.replicas), which the driver's line says and the attempt's start record
+        races its arrival), once peer memory covers the run's state (memory_covers: the node goes at
+        once then): the group restarts at its size from the copies peer nodes hold in memory
+        (raychat.run.replicas), which the driver's line says and the attempt's start record
         confirms (no byte of a checkpoint read from storage)."""
+        self.ctx.nodes.append(add_node(self.ctx.cluster, self.ctx.temp_dir))
+        waited = time.monotonic()
+        while not self.memory_covers():
+            if time.monotonic() - waited > COVER_WAIT_S or self.driver.poll() is not None:
+                fault.note = (f"peer memory did not cover the run's state within {COVER_WAIT_S} s "
+                              f"(replicas held at {progress(self.trace).replicas}, newest checkpoint "
+                              f"{self.watch.newest})")
+                fault.survived = False
+                return
+            self.watch.poll()
+            time.sleep(0.1)
+        fault.injected_step = progress(self.trace).step
         rank, pid = self.target(fault)
         node = node_of_pid(self.ctx.nodes, pid)
-        self.ctx.nodes.append(add_node(self.ctx.cluster, self.ctx.temp_dir))
         starts_before, said_before = len(self.start_records()), len(self.restart_lines())
         self.ctx.cluster.remove_node(node, allow_graceful=False)
         self.ctx.nodes.remove(node)
@@ -314,8 +340,8 @@ class ChaosRun:
         size, step, source = self.restart_lines()[-1]
         fault.note = (f"rank {rank}'s node; continued on {size} from step {step} ({source}), "
                       f"{start['storage_read_bytes']} bytes read from storage")
-        fault.survived = (size == str(MAX_WORKERS) and source == "peer memory"
-                          and start["storage_read_bytes"] == 0)
+        from_memory = source == "peer memory" and start["storage_read_bytes"] == 0
+        fault.survived = size == str(MAX_WORKERS) and (from_memory or not self.swap_needs_memory)
 
     def restart_lines(self) -> list[tuple[str, str, str]]:
         """(world size, step, source) of each "continuing on" line the current driver logged."""

@@ -18,9 +18,8 @@ from raychat.common import RaychatError, default_tokenizer_dir, run_cli
 from raychat.evaluation.bundle import cached_bundle, default_bundle_dir
 from raychat.evaluation.core import Results, combine, format_task_line, score_shard
 from raychat.model.gpt import GPT, build_model
-from raychat.run.cluster_address import LOCAL, check_cluster_answers
 from raychat.run.runtime_env import worker_runtime_env
-from raychat.storage import run_directory
+from raychat.storage import redact, run_directory
 from raychat.tokenizer.core import Tokenizer, check_vocab
 
 
@@ -47,7 +46,11 @@ def score_on_workers(args: tuple, num_workers: int) -> list[Results]:
     """score_part for ranks 0..W-1 as local Ray tasks, each on its share of the cores."""
     import ray
 
+    from raychat.run.cluster_address import LOCAL
+    from raychat.run.ray_internals import record_command_line_redacted
+
     if not ray.is_initialized():
+        record_command_line_redacted(redact)  # a joined cluster shows the command line: no credentials
         local = {"address": LOCAL, "num_cpus": num_workers, "include_dashboard": False}
         kwargs = {} if os.environ.get("RAY_ADDRESS") else local
         ray.init(runtime_env=worker_runtime_env(os.environ), log_to_driver=False, **kwargs)
@@ -59,7 +62,9 @@ def score_on_workers(args: tuple, num_workers: int) -> list[Results]:
 def core(args: argparse.Namespace) -> int:
     if args.num_workers < 1:
         raise RaychatError(f"--num-workers must be at least 1, got {args.num_workers}")
-    if args.num_workers > 1:  # (one worker scores in this process, without Ray)
+    if args.num_workers > 1:  # (one worker scores in this process, without importing Ray)
+        from raychat.run.cluster_address import check_cluster_answers
+
         check_cluster_answers(os.environ.get("RAY_ADDRESS", ""))
     bundle_dir = str(args.eval_bundle or default_bundle_dir())
     bundle = cached_bundle(bundle_dir)  # a missing or malformed bundle fails here, before any model loads

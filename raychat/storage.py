@@ -49,23 +49,33 @@ def join_uri(location: str, *names: str) -> str:
 # Query parameters that carry credentials (pyarrow's S3 options access_key, secret_key, session_token,
 # and their like on other stores), matched anywhere in the name.
 SECRET_PARAM = re.compile(r"key|token|secret|password|credential", re.IGNORECASE)
-# A query value that is a URL with credentials of its own (`endpoint_override=http://user:pw@host`):
-# group 2 is its user:password.
-VALUE_USERINFO = re.compile(r"^((?:[a-zA-Z][\w+.-]*://)?)([^@]*)@")
+# Query parameters that name a server (pyarrow's endpoint_override, proxy_options, ...): a value may
+# carry a user:password@ of its own, which no pyarrow filesystem takes and its errors would print.
+ADDRESS_PARAM = re.compile(r"endpoint|proxy|url|uri|host", re.IGNORECASE)
+# Such a value's user:password@, up to its last '@' (a password may hold one): group 2.
+VALUE_USERINFO = re.compile(r"^((?:[a-zA-Z][\w+.-]*://)?)(.*)@")
+
+
+def _value_userinfo(name: str, value: str) -> re.Match | None:
+    """The user:password@ a server-naming parameter's value carries, if any."""
+    return VALUE_USERINFO.match(value) if ADDRESS_PARAM.search(name) or "://" in value else None
 
 
 def _redact_param(name: str, value: str) -> str:
     if SECRET_PARAM.search(name):
         return "***"
-    return VALUE_USERINFO.sub(r"\1***@", value)
+    return VALUE_USERINFO.sub(r"\1***@", value) if _value_userinfo(name, value) else value
 
 
 def redact(location: str) -> str:
     """`location` safe to print, log or store: a URI's user:password@ (`s3://KEY:SECRET@bucket/...`),
-    any credential-like query parameter and a parameter's own user:password@ become `***`."""
+    any credential-like query parameter and a parameter's own user:password@ become `***`, and so
+    does a fragment (a raw '#' in a password puts the rest of it there)."""
     if not is_uri(location):
         return location
     parts = urlsplit(location)
+    if parts.fragment:
+        parts = parts._replace(query="***" if parts.query else "", fragment="***")
     netloc = parts.netloc
     if "@" in netloc:
         netloc = "***@" + netloc.rsplit("@", 1)[1]
@@ -99,10 +109,11 @@ class SafeLocation(str):
             return text
         text = text.replace(self._uri, self)
         secrets = [parts.username, parts.password]
-        for name, value in parse_qsl(parts.query):
+        query = f"{parts.query}#{parts.fragment}" if parts.fragment else parts.query  # a raw '#' cut it
+        for name, value in parse_qsl(query):
             if SECRET_PARAM.search(name):
                 secrets.append(value)
-            elif (inner := VALUE_USERINFO.match(value)) is not None:
+            elif (inner := _value_userinfo(name, value)) is not None:
                 secrets += inner.group(2).split(":", 1)
         for secret in filter(None, secrets):
             text = text.replace(secret, "***").replace(unquote(secret), "***")
@@ -114,10 +125,24 @@ def normalize_location(location: "str | Path") -> SafeLocation:
     SafeLocation (which keeps the credentials a URI may carry out of every message)."""
     uri = location.unredacted() if isinstance(location, SafeLocation) else str(location)  # str(): a Path
     if not is_uri(uri):
-        uri = str(Path(uri).expanduser().resolve())
-    elif "?" not in uri:
-        uri = uri.rstrip("/")
-    return SafeLocation(uri)
+        return SafeLocation(str(Path(uri).expanduser().resolve()))
+    check_uri(uri)
+    return SafeLocation(uri if "?" in uri else uri.rstrip("/"))
+
+
+def check_uri(uri: str) -> None:
+    """Refuse, in one line that shows no secret, what no filesystem can open and its errors would
+    print: a fragment (a '#' not written %23), a server parameter with a user:password@ of its own."""
+    parts = urlsplit(uri)
+    if parts.fragment:
+        raise RaychatError(f"{redact(uri)}: a '#' in a storage URI must be written %23 (a password "
+                           "holding one, say): as it is, everything after it is cut off")
+    for name, value in parse_qsl(parts.query):
+        if _value_userinfo(name, value) is not None and not SECRET_PARAM.search(name):
+            raise RaychatError(f"{redact(uri)}: {name} carries a user:password@, which pyarrow's "
+                               "filesystems do not take (and their errors would print): give the "
+                               "credentials as the URI's own (s3://KEY:SECRET@bucket/...) or its "
+                               "access_key and secret_key parameters")
 
 
 class Storage:
@@ -209,6 +234,17 @@ class Storage:
 
     def read_text(self, name: str) -> str:
         return self.read_bytes(name).decode()
+
+    @contextmanager
+    def read_faults_as_errors(self, flag: str = "--storage-path") -> Iterator[None]:
+        """For a command that reads a run once (report, evaluate, sample, export): a storage fault
+        inside becomes one RaychatError line naming `flag` and the fix (nothing is lost: the user's
+        rerun is the retry), never a traceback with the filesystem's text."""
+        try:
+            yield
+        except (OSError, pa.ArrowException) as e:
+            reason = self.location.scrub(_storage_reason(e, access="read"))
+            raise RaychatError(f"{flag} {self} cannot be read: {reason}") from None
 
     @contextmanager
     def open_input(self, name: str) -> Iterator[BinaryIO]:
@@ -447,8 +483,8 @@ def run_directory(storage_path: str, run_name: str) -> Storage:
     return Storage(storage_path or default_storage_path()).child(check_name(run_name, "--run-name"))
 
 
-def _storage_reason(error: BaseException) -> str:
-    """One phrase for why storage refused, and what to do about it."""
+def _storage_reason(error: BaseException, access: str = "write") -> str:
+    """One phrase for why storage refused `access`, and what to do about it."""
     text = " ".join(str(error).split())
     lowered = text.lower()
     if any(s in lowered for s in ("nosuchbucket", "bucket does not exist", "no such bucket", "not found")) \
@@ -457,7 +493,7 @@ def _storage_reason(error: BaseException) -> str:
     if any(s in lowered for s in ("accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
                                   "signaturedoesnotmatch", "credentials")):
         return ("access denied (missing or wrong credentials); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
-                "or the provider's credentials, and grant write access")
+                f"or the provider's credentials, and grant {access} access")
     if any(s in lowered for s in ("curl", "connect", "resolve host", "timed out", "unreachable")):
         return "the endpoint cannot be reached; check endpoint_override, the network and the server"
     if isinstance(error, PermissionError) or "permission denied" in lowered:

@@ -32,8 +32,11 @@ def test_a_node_swap_waits_until_every_rank_is_held_at_or_past_the_newest_checkp
     assert not run.memory_covers()  # rank 1's copy still on its way
     trace(run, 2.0, 93, [92, 92])
     assert run.memory_covers()
-    # Two steps before a save: the checkpoint could land as the node goes, and win.
-    trace(run, 2.0, 98, [98, 98])
+    # A few steps before a save: the checkpoint could land as the node goes, and win.
+    trace(run, 2.0, 97, [97, 97])
     assert not run.memory_covers()
-    trace(run, 2.0, 97, [96, 96])
+    # A save at step 100 under way (the loop is at step 100), not whole yet: newer than the replicas.
+    trace(run, 2.0, 99, [98, 98])
+    assert not run.memory_covers()
+    trace(run, 2.0, 101, [100, 100])
     assert run.memory_covers()

@@ -30,7 +30,7 @@ from raychat.common import RaychatError, check_name, run_cli
 from raychat.config import TrainConfig
 from raychat.scaling import resolve_plan
 from raychat.status import auth_token, train_runs
-from raychat.storage import SafeLocation, Storage, join_uri, normalize_location
+from raychat.storage import SafeLocation, Storage, join_uri, normalize_location, redact
 
 KEY, SECRET = "RaychatKeyId42", "Sup3rSecretV4lue+/xyz"  # distinctive: grepped for in every byte
 QUOTED_SECRET = "Sup3rSecretV4lue%2B%2Fxyz"  # as it is written in a URI
@@ -66,12 +66,21 @@ def test_a_safe_location_shows_no_secret_and_opens_with_it():
     settings = Storage(pickle.loads(pickle.dumps(location))).child("r").fs.__reduce__()[1][0]
     assert (settings["access_key"], settings["secret_key"]) == (KEY, SECRET)
     assert normalize_location("/data/runs") == "/data/runs"
-    # Credentials written into the endpoint itself are hidden as well.
-    inner = normalize_location(f"s3://bucket/runs?endpoint_override=http://{KEY}:{QUOTED_SECRET}@127.0.0.1:9"
-                               "&scheme=http")
-    assert str(inner) == "s3://bucket/runs?endpoint_override=http://***@127.0.0.1:9&scheme=http"
-    assert inner.scrub(f"refused at http://{KEY}:{SECRET}@127.0.0.1:9") == "refused at http://***:***@127.0.0.1:9"
-    assert_no_secret(str(Storage(inner).child("r")) + repr(Storage(inner)), "an endpoint's credentials")
+    # Credentials written into the endpoint itself (no filesystem takes them; the S3 client's errors
+    # print the user) and a raw '#' (the rest of a password lands in the fragment) are refused in a
+    # line that shows none of them; shown anyway, they are hidden.
+    at_in_password = QUOTED_SECRET.replace("%2B", "%40")  # an '@' in the password too
+    for bad in (f"s3://bucket/runs?endpoint_override=http://{KEY}:{at_in_password}@127.0.0.1:9&scheme=http",
+                f"s3://bucket/runs?endpoint_override={KEY}:{QUOTED_SECRET}@127.0.0.1:9",
+                f"s3://bucket/runs?endpoint_override=http://{KEY}:{SECRET.replace('+', '#')}@127.0.0.1:9"):
+        with pytest.raises(RaychatError) as refused:
+            normalize_location(bad)
+        assert_no_secret(str(refused.value), bad)
+        assert_no_secret(redact(bad), bad)
+        assert_no_secret(SafeLocation(bad).scrub(f"Could not resolve host: {KEY}"), bad)
+    assert "endpoint_override carries a user:password@" in str(refused.value) or "%23" in str(refused.value)
+    # A value that merely holds an '@' is no credential: shown as it is.
+    assert redact("s3://bucket/runs?prefix=team@v2") == "s3://bucket/runs?prefix=team@v2"
 
 
 @pytest.mark.parametrize("name", ["d12", "run-1.2_x", "A.b"])
@@ -166,6 +175,19 @@ def test_report_names_a_malformed_metrics_log(tmp_path, capsys):
     (run / "metrics.jsonl").write_text('{"kind": "start", "step": 0}\n{"kind": "step", "step": 0}\n')
     line = cli_line(report.main, ["--run-name", "r", "--storage-path", str(tmp_path / "runs")], capsys)
     assert f"{run}/metrics.jsonl is not a metrics log" in line and "KeyError" in line, line
+
+
+def test_commands_that_read_a_run_name_an_unreachable_endpoint_in_one_line(capsys):
+    from raychat import sample
+    from raychat.report import __main__ as report
+
+    dead = "s3://bucket/runs?endpoint_override=127.0.0.1:1&scheme=http"  # nothing listens there
+    for main in (report.main, sample.main):
+        line = cli_line(main, ["--run-name", "r", "--storage-path", dead], capsys)
+        assert line == ("raychat: error: --storage-path "
+                        "s3://bucket/runs/r?endpoint_override=127.0.0.1:1&scheme=http cannot "
+                        "be read: the endpoint cannot be reached; check endpoint_override, the network and "
+                        "the server"), line
 
 
 def test_init_from_nanochat_names_a_garbage_token_bytes_or_model_file(tiny_corpus, tmp_path, capsys):

@@ -28,9 +28,10 @@ T = TypeVar("T")
 def find_checkpoint(run: Storage, step: int | None) -> Storage:
     """The checkpoint a command reads: the run's latest complete one, or the one at `step`; one
     RaychatError line naming --run-name/--storage-path or --step when there is none."""
-    if not run.is_dir():
-        raise RaychatError(f"no run at {run}: check --run-name and --storage-path")
-    found = latest_valid_checkpoint(run, step=step)
+    with run.read_faults_as_errors():
+        if not run.is_dir():
+            raise RaychatError(f"no run at {run}: check --run-name and --storage-path")
+        found = latest_valid_checkpoint(run, step=step)
     if found is None:
         wanted = "a complete checkpoint" if step is None else f"a complete checkpoint at step {step}"
         raise RaychatError(f"run {run} has no {wanted}: drop --step for the latest, or train longer")

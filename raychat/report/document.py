@@ -60,12 +60,13 @@ class RunReport:
 def build_report(run: Storage) -> RunReport:
     """The report of the run at `run`, or a RaychatError saying why there is none (yet)."""
     try:
-        timeline = read_timeline(run)
-        if timeline is None or not timeline.starts:
-            where = "no run there" if not run.exists() else f"no {METRICS_FILE} in it yet"
-            raise RaychatError(f"cannot report on {run.location}: {where}; check --run-name and "
-                               "--storage-path (a run writes its metrics log once its first worker group "
-                               "has started)")
+        with run.read_faults_as_errors():
+            timeline = read_timeline(run)
+            if timeline is None or not timeline.starts:
+                where = "no run there" if not run.exists() else f"no {METRICS_FILE} in it yet"
+                raise RaychatError(f"cannot report on {run.location}: {where}; check --run-name and "
+                                   "--storage-path (a run writes its metrics log once its first worker "
+                                   "group has started)")
         f = facts(timeline)
         figures = {"loss.png": loss_figure(timeline, f.eval_flops, f.markers),
                    "throughput.png": throughput_figure(timeline, f.markers, mfu_note(f.start)),

@@ -93,7 +93,7 @@ class Replicator:
         self.sends_compete = sends_compete  # training on the CPUs the send uses (replicas_needed)
         self.writer = AsyncCheckpointWriter()
         self.last_step: int | None = None
-        self.held_step: int | None = None  # the newest step its holders took (set by the send's thread)
+        self.held_step: int | None = None  # the newest step a peer node's holder took too (send's thread)
         self.failed: str | None = None  # the last send's fault: a lost holder is said, never raised
         self.skipping_since: int | None = None  # the first step skipped while a send was in flight
         # The last send's CPU time in its thread (serializing, copying into the object store): what
@@ -128,7 +128,8 @@ class Replicator:
                     return
                 ref = ray.put(dataclasses.replace(replica, pieces=snapshot))
                 ray.get([h.put.remote(ref) for h in self.holders], timeout=HOLDER_CALL_S)
-                self.held_step = replica.step
+                if len(self.holders) > 1:  # what survives the node (a one-node group keeps its own copy only)
+                    self.held_step = replica.step
             except Exception as e:  # noqa: BLE001 -- any fault of a copy is said, none ends training
                 self.failed = f"{type(e).__name__}: {e}".splitlines()[0]
             finally:
