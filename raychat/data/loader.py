@@ -132,7 +132,9 @@ class SourceReader:
         self._location = location
         self._tokenizer_dir = str(tokenizer_dir)
         self._data_tasks = data_tasks
-        self._queue: queue.Queue = queue.Queue(maxsize=READS_AHEAD)
+        # Room for every read a resume owes besides: they are read while the model is built, before
+        # the packer takes any (their documents are about one packer buffer's worth).
+        self._queue: queue.Queue = queue.Queue(maxsize=READS_AHEAD + owed_reads)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raychat-loader", daemon=True)
         self._thread.start()
