@@ -1,6 +1,7 @@
 """One training run on Ray.
 
     driver         the driver library shared by raychat.train and tune.sweep
+    cluster_address  which Ray a command joins: RAY_ADDRESS checked first, else a local instance
     lease          one driver per run: the lease epoch and its heartbeat
     worker_setup   a worker's set-up: model, optimizer, loader, checkpoint, sinks
     loop           the step loop
