@@ -189,7 +189,7 @@ class ChaosRun:
 
     def memory_covers(self) -> bool:
         """Whether peer memory holds every rank's state at or past the newest checkpoint saved (whole,
-        or submitted at a step of --save-every's), with none due in the next two steps. Else a restart
+        or submitted at a step of --save-every's), with none due in the next three steps. Else a restart
         rightly restores the checkpoint: right after a restart (the attempt's first replica comes a few
         steps in) or a save that lands as the node goes, which is not what a node swap is there to
         test. (Under the auto cadence, `save_every` None, only the whole checkpoints are known.)"""
@@ -244,6 +244,9 @@ class ChaosRun:
         fault.injected_step, fault.injected_at = progress(self.trace).step, time.time()
         self.say(f"step {fault.injected_step}: {fault.kind}")
         getattr(self, fault.kind)(fault)
+        if fault.injected_at is None:  # the run ended before the fault could land (a node swap's wait)
+            self.say(f"{fault.kind}: not injected ({fault.note})")
+            return
         fault.recovery_s = round(time.time() - fault.injected_at, 1)
         self.say(f"{fault.kind}: {'survived' if fault.survived else 'NOT SURVIVED'} in "
                  f"{fault.recovery_s} s ({fault.note})")
@@ -317,15 +320,21 @@ class ChaosRun:
         self.ctx.nodes.append(add_node(self.ctx.cluster, self.ctx.temp_dir))
         waited = time.monotonic()
         while not self.memory_covers():
-            if time.monotonic() - waited > COVER_WAIT_S or self.driver.poll() is not None:
-                fault.note = (f"peer memory did not cover the run's state within {COVER_WAIT_S} s "
-                              f"(replicas held at {progress(self.trace).replicas}, newest checkpoint "
-                              f"{self.watch.newest})")
-                fault.survived = False
+            if self.driver.poll() is not None:
+                fault.injected_step = fault.injected_at = None
+                fault.note = "the run ended while the swap waited for peer memory to cover its state"
                 return
+            if time.monotonic() - waited > COVER_WAIT_S:
+                if self.swap_needs_memory:
+                    fault.note = (f"peer memory did not cover the run's state within {COVER_WAIT_S} s "
+                                  f"(replicas held at {progress(self.trace).replicas}, newest checkpoint "
+                                  f"{self.watch.newest})")
+                    fault.survived = False
+                    return
+                break  # bench.goodput: the swap's cost, whichever tier it restores from
             self.watch.poll()
             time.sleep(0.1)
-        fault.injected_step = progress(self.trace).step
+        fault.injected_step, fault.injected_at = progress(self.trace).step, time.time()  # the loss itself
         rank, pid = self.target(fault)
         node = node_of_pid(self.ctx.nodes, pid)
         starts_before, said_before = len(self.start_records()), len(self.restart_lines())

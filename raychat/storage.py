@@ -56,6 +56,19 @@ ADDRESS_PARAM = re.compile(r"endpoint|proxy|url|uri|host", re.IGNORECASE)
 VALUE_USERINFO = re.compile(r"^((?:[a-zA-Z][\w+.-]*://)?)(.*)@")
 
 
+def _hidden_userinfo(uri: str) -> tuple[int, int] | None:
+    """Where a URI's own user:password sits when a raw '/', '?' or '#' in it hid it from urlsplit
+    (`s3://KEY:ab/cd@bucket/...` parses as host "KEY:ab"): from after "://" to its '@' (the last
+    before the first '=': a query value's own '@' comes after that), or None."""
+    netloc = urlsplit(uri).netloc
+    if "@" in netloc or ":" not in netloc:  # a bucket name holds no ':'; a host:port is a guess away
+        return None
+    start = uri.index("://") + 3
+    equals = uri.find("=", start)
+    end = uri.rfind("@", start, equals if equals >= 0 else len(uri))
+    return (start, end) if end > start else None
+
+
 def _value_userinfo(name: str, value: str) -> re.Match | None:
     """The user:password@ a server-naming parameter's value carries, if any."""
     return VALUE_USERINFO.match(value) if ADDRESS_PARAM.search(name) or "://" in value else None
@@ -73,6 +86,8 @@ def redact(location: str) -> str:
     does a fragment (a raw '#' in a password puts the rest of it there)."""
     if not is_uri(location):
         return location
+    if (hidden := _hidden_userinfo(location)) is not None:
+        location = location[:hidden[0]] + "***" + location[hidden[1]:]
     parts = urlsplit(location)
     if parts.fragment:
         parts = parts._replace(query="***" if parts.query else "", fragment="***")
@@ -109,6 +124,8 @@ class SafeLocation(str):
             return text
         text = text.replace(self._uri, self)
         secrets = [parts.username, parts.password]
+        if (hidden := _hidden_userinfo(self._uri)) is not None:
+            secrets += self._uri[hidden[0]:hidden[1]].split(":", 1)
         query = f"{parts.query}#{parts.fragment}" if parts.fragment else parts.query  # a raw '#' cut it
         for name, value in parse_qsl(query):
             if SECRET_PARAM.search(name):
@@ -133,6 +150,10 @@ def normalize_location(location: "str | Path") -> SafeLocation:
 def check_uri(uri: str) -> None:
     """Refuse, in one line that shows no secret, what no filesystem can open and its errors would
     print: a fragment (a '#' not written %23), a server parameter with a user:password@ of its own."""
+    if _hidden_userinfo(uri) is not None:
+        raise RaychatError(f"{redact(uri)}: the URI's user:password holds a raw '/', '?' or '#', which "
+                           "ends it early (and the filesystem's errors would print it): write them %2F, "
+                           "%3F and %23")
     parts = urlsplit(uri)
     if parts.fragment:
         raise RaychatError(f"{redact(uri)}: a '#' in a storage URI must be written %23 (a password "

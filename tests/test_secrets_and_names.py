@@ -72,13 +72,18 @@ def test_a_safe_location_shows_no_secret_and_opens_with_it():
     at_in_password = QUOTED_SECRET.replace("%2B", "%40")  # an '@' in the password too
     for bad in (f"s3://bucket/runs?endpoint_override=http://{KEY}:{at_in_password}@127.0.0.1:9&scheme=http",
                 f"s3://bucket/runs?endpoint_override={KEY}:{QUOTED_SECRET}@127.0.0.1:9",
-                f"s3://bucket/runs?endpoint_override=http://{KEY}:{SECRET.replace('+', '#')}@127.0.0.1:9"):
+                f"s3://bucket/runs?endpoint_override=http://{KEY}:{SECRET.replace('+', '#')}@127.0.0.1:9",
+                # the URI's own password with a raw '/', '?' or '#' (SECRET holds a '/')
+                f"s3://{KEY}:{SECRET}@bucket/runs?endpoint_override=127.0.0.1:9&scheme=http",
+                f"s3://{KEY}:{SECRET.replace('/', '?')}@bucket/runs",
+                f"s3://{KEY}:{SECRET.replace('/', '#')}@bucket/runs"):
         with pytest.raises(RaychatError) as refused:
             normalize_location(bad)
         assert_no_secret(str(refused.value), bad)
         assert_no_secret(redact(bad), bad)
-        assert_no_secret(SafeLocation(bad).scrub(f"Could not resolve host: {KEY}"), bad)
-    assert "endpoint_override carries a user:password@" in str(refused.value) or "%23" in str(refused.value)
+        assert_no_secret(SafeLocation(bad).scrub(f"Could not resolve host: {KEY}, Cannot parse URI: '{bad}'"),
+                         bad)
+    assert "write them %2F, %3F and %23" in str(refused.value)
     # A value that merely holds an '@' is no credential: shown as it is.
     assert redact("s3://bucket/runs?prefix=team@v2") == "s3://bucket/runs?prefix=team@v2"
 

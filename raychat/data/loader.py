@@ -132,8 +132,8 @@ class SourceReader:
         self._location = location
         self._tokenizer_dir = str(tokenizer_dir)
         self._data_tasks = data_tasks
-        # Room for every read a resume owes besides: they are read while the model is built, before
-        # the packer takes any (their documents are about one packer buffer's worth).
+        # Room for the reads a resume owes besides, during the warm start: they are read while the
+        # model is built, before the packer takes any (at most WARM_START_DOCS documents).
         self._queue: queue.Queue = queue.Queue(maxsize=READS_AHEAD + owed_reads)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raychat-loader", daemon=True)
@@ -187,18 +187,21 @@ class SourceReader:
 
         A resume's first reads are the documents its cursor owes (the packer's buffer when it was
         saved: a few dozen each from a dozen units or more), and the packer needs nearly all of them
-        for its first row: all of them are read here, as Ray Data would read them, but without waiting
-        for its first tasks' processes to start on a restarted group's node. The first step after a
-        restart waited 11-12 s for its rows (bench.goodput node_swap); a resumed loader on a fresh
-        local Ray had its first rows after 7.8-9.1 s, 3.8-5.2 s with its 13 owed reads read here."""
+        for its first row: they are read here too, up to WARM_START_DOCS documents (a shrink from
+        many ranks owes far more: Ray Data reads the rest), as Ray Data would read them, but without
+        waiting for its first tasks' processes to start on a restarted group's node. The first step
+        after a restart waited 11-12 s for its rows (bench.goodput node_swap); a resumed loader on a
+        fresh local Ray had its first rows after 7.8-9.1 s, 3.8-5.2 s with its 13 owed reads read here."""
         k = docs = 0
-        while k < self._owed_reads or (docs < WARM_START_DOCS and k < self._owed_reads + WARM_START_READS):
+        while docs < WARM_START_DOCS and k < self._owed_reads + WARM_START_READS:
             table = _tokenize_reads([self._read(k)], self._tokenizer_dir, self._location)
             k += 1
             self.warm_reads = k  # before its documents are handed over: a consumer of them sees it
             for read, docs_of_read in _split_by_read(table):
                 self._put((read, docs_of_read))
             docs += table.num_rows
+        with self._queue.mutex:  # the owed reads' room is theirs: ahead of the packer, READS_AHEAD
+            self._queue.maxsize = READS_AHEAD
         return k
 
     def _run(self) -> None:
