@@ -93,9 +93,11 @@ class TrainConfig(Record):
     eval_tokens: int = _flag(80 * 524288, "validation tokens per evaluation (at most the val split's "
                              "documents once)", "evaluation")
     sample_every: int = _flag(2000, "print greedy samples every N steps (-1 = only at the end)", "evaluation")
-    save_every: int = _flag(0, "save a checkpoint every N steps and at the end (0 = auto: as often as saves "
-                            "stall training at most 1/100 of its time and are written before the next, "
-                            "at least every --max-lost-minutes of training; -1 = only at the end)",
+    save_every: int = _flag(0, "save a checkpoint every N steps and at the end (0 = auto: the interval that "
+                            "loses least to saves' stalls and to a node lost every 10 minutes, saves "
+                            "stalling training at most 1/100 of its time and written before the next, "
+                            "at least every --max-lost-minutes of training, and that often where memory "
+                            "replicas on a peer node hold the state; -1 = only at the end)",
                             "evaluation")
     max_lost_minutes: float = _flag(1.0, "--save-every 0: the most training a node lost without notice "
                                     "should redo, in minutes (the checkpoint interval plus a save's write)",
@@ -103,8 +105,9 @@ class TrainConfig(Record):
     replicate_every: int = _flag(0, "mirror every rank's state in host memory on its own node and a peer "
                                  "node every N steps, so a node lost without notice redoes about N steps "
                                  "(more while a slow send skips some) and its restart reads nothing from "
-                                 "storage (0 = auto: as often as the "
-                                 "copies stall training at most 2/100 of its time; -1 = off; a one-node "
+                                 "storage (0 = auto: the interval that loses least to the copies' stalls "
+                                 "and to a node lost every 10 minutes, the copies stalling training at "
+                                 "most 2/100 of its time; -1 = off; a one-node "
                                  "group keeps its own node's copy only, for a lost worker process)",
                                  "evaluation")
     core_metric_every: int = _flag(2000, "evaluate nanochat's CORE metric every N steps and at the end "

@@ -11,15 +11,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_loss_bound_is_read_from_the_cadence_line_the_trainer_logs():
-    # 400 ms steps, a 10 ms stall, written in 1.0 s: every 3 steps (stall 10/(0.01*400) = 2.5 -> 3,
-    # write 1.0/(0.5*0.4) = 5 -> 5): every 5 steps; a loss redoes <= 5 + ceil(1.0/0.4) + 1 = 9 steps.
-    interval = choose_interval(step_s=0.4, stall_s=0.010, write_s=1.0, max_lost_s=60)
-    assert interval.every == 5
+    # 400 ms steps, a 10 ms stall, written in 5.0 s: the stall needs 3 steps (10/(0.01*400) = 2.5), the
+    # least loss sqrt(2 x 0.01 x 600) = 3.5 s 9 steps, the write 5.0/(0.5*0.4) = 25: every 25 steps;
+    # a loss redoes <= 25 + ceil(5.0/0.4) + 1 = 39 steps.
+    interval = choose_interval(step_s=0.4, stall_s=0.010, write_s=5.0, max_lost_s=60)
+    assert interval.every == 25
     log = f"step 00004/...\nCheckpoint cadence: {interval.describe()}\nstep 00005/...\n"
-    assert loss_bound(log) == 9
-    changed = choose_interval(step_s=0.4, stall_s=0.010, write_s=0.2, max_lost_s=60)  # every 3: by stall
-    log += f"Checkpoint cadence changed from every 5 steps: {changed.describe()}\n"
-    assert loss_bound(log) == 3 + 1 + 1
+    assert loss_bound(log) == 39
+    changed = choose_interval(step_s=0.4, stall_s=0.010, write_s=0.2, max_lost_s=60)  # every 9: least loss
+    log += f"Checkpoint cadence changed from every 25 steps: {changed.describe()}\n"
+    assert loss_bound(log) == 9 + 1 + 1
+    # with peer memory, as rare as the cap allows: floor((60 - 0.2) / 0.4) = 149
+    rare = choose_interval(step_s=0.4, stall_s=0.010, write_s=0.2, max_lost_s=60, peer_memory=True)
+    log += f"Checkpoint cadence changed from every 9 steps: {rare.describe()}\n"
+    assert loss_bound(log) == 149 + 1 + 1
     assert loss_bound("no cadence line yet") is None
 
 

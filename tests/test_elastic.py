@@ -22,6 +22,7 @@ from trace_audit import assert_epoch1_exactly_once, attempts_by_step, read_trace
 
 from bench.multinode import node_of_pid, stop_processes_under
 from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
+from raychat.run.cadence import PROBE_STEPS
 from raychat.run.metrics_log import METRICS_FILE, parse_records
 from raychat.storage import Storage
 
@@ -239,7 +240,9 @@ def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tin
     """Two of three nodes go at once: the rank of the first had its replicas on its own node and on
     the second (raychat.run.replicas), so no whole set survives in memory. Two new nodes join at
     once (a group of one on a loaded 2-core host can outlast Ray Train's 5 s start timeout); the
-    next group resumes from the last checkpoint in storage, says so, and trains every document once."""
+    next group resumes from the last checkpoint in storage, says so, and trains every document once.
+    With the default cadence: peer memory covers a single node lost, so storage saves after the
+    attempt's probe are a minute apart (--max-lost-minutes), and this loss redoes from the probe."""
     c, nodes = cluster
     assert len(nodes) == 3  # (before the spot test, which takes one away: a node just added may not be
     # in Ray's autoscaling view yet, and the run would start at 2)
@@ -250,7 +253,7 @@ def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tin
     steps = 60
     flags = tiny_flags(tiny_corpus, storage, "two_lost", "--num-workers", "1:3", "--cpus-per-worker", "1",
                        "--placement-strategy", "SPREAD", "--total-batch-size", "1024", "--num-iterations",
-                       str(steps), "--eval-every", "-1", "--save-every", "10", "--replicate-every", "1",
+                       str(steps), "--eval-every", "-1", "--save-every", "0", "--replicate-every", "1",
                        "--max-failures", "2")
     lost: list[int] = []
 
@@ -268,7 +271,10 @@ def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tin
 
     line = re.search(r"^(Lost \d+ worker\(s\)|A worker failed): continuing on \d+ from step (\d+) "
                      r"\(checkpoint_(\d+)\); \d+ steps redone$", logs, re.M)
-    assert line and int(line.group(2)) == int(line.group(3)) and int(line.group(2)) % 10 == 0, logs[-4000:]
+    assert line and int(line.group(2)) == int(line.group(3)) == PROBE_STEPS, logs[-4000:]
+    cadence = re.search(r"^Checkpoint cadence: every \d+ steps \(~([\d.]+)s; .*\): peer memory holds every "
+                        r"rank's state", logs, re.M)
+    assert cadence and float(cadence.group(1)) >= 30, logs[-4000:]  # the cap's minute, less a write
     assert world_sizes_by_attempt(trace)[0] == 3
     said = re.search(r"^Memory replicas: no whole set as new as the checkpoint survives", logs, re.M)
     assert said, logs[-4000:]

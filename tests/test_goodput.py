@@ -23,15 +23,22 @@ def test_the_default_cadence_is_auto_and_the_fixed_ones_keep_their_meaning():
     assert "only at the end" in plan_line(-1, 1.0)
 
 
-def test_the_interval_is_the_shortest_the_stall_budget_and_the_writer_allow():
-    # 4 s steps, a 100 ms stall: 1% of the time needs 3 steps between saves (0.1 / 0.04 = 2.5).
+def test_the_interval_loses_least_within_the_stall_budget_the_writer_and_the_loss_cap():
+    # 4 s steps, a 100 ms stall: 1% of the time needs 3 steps between saves (0.1 / 0.04 = 2.5), and
+    # the least loss at one node lost per 600 s is sqrt(2 x 0.1 x 600) = 11 s, 3 steps too.
     cheap = choose_interval(step_s=4.0, stall_s=0.1, write_s=1.0, max_lost_s=60.0)
     assert cheap.every == 3 and cheap.met and cheap.stall_share <= 0.01 and cheap.lost_s <= 60
+    # 1 s steps, a 30 ms stall: the budget allows every 3 steps, the least loss is sqrt(36) = 6 s.
+    assert choose_interval(step_s=1.0, stall_s=0.03, write_s=0.5, max_lost_s=60.0).every == 6
+    # Peer memory holds every rank's state: storage saves as rarely as the cap allows (14 x 4 s + 1 s).
+    rare = choose_interval(step_s=4.0, stall_s=0.1, write_s=1.0, max_lost_s=60.0, peer_memory=True)
+    assert rare.every == 14 and rare.met and rare.lost_s == 57.0 and "peer memory" in rare.describe()
     # A 20 s write keeps the writer busy at most half the interval: 10 steps, whatever the stall.
     slow_write = choose_interval(step_s=4.0, stall_s=0.01, write_s=20.0, max_lost_s=60.0)
     assert slow_write.every == 10 and slow_write.met and slow_write.lost_s == 60.0
-    # 10 ms steps and a 20 ms stall: 200 steps (2 s) keep the stall at 1%.
-    assert choose_interval(0.01, 0.02, 0.05, 60.0).every == 200
+    # 10 ms steps and a 20 ms stall: 200 steps (2 s) keep the stall at 1%; the least loss is at
+    # sqrt(2 x 0.02 x 600) = 4.9 s, 490 steps.
+    assert choose_interval(0.01, 0.02, 0.05, 60.0).every == 490
     # A 1 s stall at 0.5 s steps needs 200 steps (100 s) for 1%: the loss cap the user set wins
     # (110 steps + the 5 s write = 60 s), the cost is said.
     conflict = choose_interval(step_s=0.5, stall_s=1.0, write_s=5.0, max_lost_s=60.0)

@@ -56,13 +56,20 @@ def test_a_restore_takes_the_newest_whole_set_of_its_epoch_not_older_than_storag
     assert choose_set([a, b, c], epoch=3, min_step=0) == ((11, 1), 3)
 
 
-def test_auto_interval_keeps_the_copy_within_two_percent_and_the_sender_idle_half_the_time():
-    assert replicas_needed(step_s=1.0, stall_s=0.01, send_s=0.5) == pytest.approx(1.0)
-    assert replicas_needed(step_s=1.0, stall_s=0.05, send_s=0.5) == pytest.approx(2.5)  # 0.05 / (0.02 x 1)
-    # the send takes 3.5 steps, and the host stays idle half the time: 7
-    assert replicas_needed(step_s=0.1, stall_s=0.001, send_s=0.35) == pytest.approx(7.0)
-    # training on the host's CPUs: the send is taken from it, copy and send together keep to 2%
-    assert replicas_needed(step_s=1.0, stall_s=0.01, send_s=0.05, sends_compete=True) == pytest.approx(3.0)
+def test_auto_interval_loses_least_at_the_planned_loss_rate_within_the_budgets():
+    # Young/Daly at one loss per 600 s: a 10 ms copy every T s against T/2 redone per loss is least
+    # at T = sqrt(2 x 0.01 x 600) = 3.46 s, where 1 step would do for the 2% budget (0.01 / 0.02)
+    assert replicas_needed(step_s=1.0, stall_s=0.01, send_s=0.5) == pytest.approx(12 ** 0.5)
+    # a copy that fits in the step's shadow (a GPU's, 0.5 ms): 0.77 steps, every step
+    assert choose_interval(replicas_needed(step_s=1.0, stall_s=0.0005, send_s=0.1)) == 1
+    # a long copy: the 2% budget needs 30 steps (0.6 / (0.02 x 1)), more than sqrt(2 x 0.6 x 600) = 26.8
+    assert replicas_needed(step_s=1.0, stall_s=0.6, send_s=0.5) == pytest.approx(30.0)
+    # the send takes 35 steps, and the host stays idle half the time: 70 (Young: 11)
+    assert replicas_needed(step_s=0.1, stall_s=0.001, send_s=3.5) == pytest.approx(70.0)
+    # training on the host's CPUs: the send is taken from it, copy and send together are the cost:
+    # sqrt(2 x 0.06 x 600) = 8.49 s (the 2% budget alone: 3 steps)
+    compete = replicas_needed(step_s=1.0, stall_s=0.01, send_s=0.05, sends_compete=True)
+    assert compete == pytest.approx(72 ** 0.5)
     assert choose_interval(2.5) == 3 and choose_interval(7.0) == 7 and choose_interval(0.3) == 1
     # measurements that wobble around a boundary keep the interval (the log said 1, 2, 1, 2, ... before)
     assert choose_interval(1.2, current=1) == 1 and choose_interval(0.9, current=2) == 2

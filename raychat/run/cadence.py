@@ -5,19 +5,24 @@ checkpoint, plus those trained while the newest one was still being written; eve
 step loop (the copy to host memory, the cursors' gather) and keeps a writer busy in the background.
 So the interval is chosen from what the run measures, not guessed:
 
-- the shortest interval whose saves stall training by at most STALL_BUDGET of its time and leave the
+- the interval that loses least at the loss rate auto plans for (PLANNED_LOSS_EVERY_S): a save's
+  stall every T seconds against the T/2 seconds a loss redoes on average, least at T = sqrt(2 x stall
+  x time between losses) (Young's and Daly's optimum: `least_loss_s`);
+- but no shorter than lets saves stall training by at most STALL_BUDGET of its time and leaves the
   writer idle at least half of it (one save in flight: a save due while the last one is still
   writing would wait for it, and a writer never idle competes with the loader for the host);
 - capped so that a node lost just before a save is whole redoes at most --max-lost-minutes of
   training (the interval plus the write time).
 
-Saving as often as the stall budget allows, rather than as rarely as the loss cap allows, is what
-keeps goodput high when nodes do go: at a 100 ms stall and 4 s steps the loop saves every 3 steps
-for 0.8% of its time, and a loss redoes seconds, not a minute. When the two cannot both hold (a long
-stall, a slow write), the loss cap the user set wins over the stall budget and the writer's idle
-half, never over one save in flight, and the log says what the saves then cost. A first save that
-also allocated its host buffers stalls longer than the next ones: the next save, within the cap,
-measures again.
+At a 100 ms stall and 4 s steps the loop saves every 3 steps for 0.8% of its time, and a loss redoes
+seconds, not a minute. When the memory tier holds every rank's state on a peer node (a group on two
+nodes or more, raychat.run.replicas), a node lost without notice resumes from that memory, not from
+storage: what storage saves then protect against (a node lost with its peer, the cluster lost whole)
+is far rarer, so they are as rare as the loss cap allows. When the constraints cannot all hold (a
+long stall, a slow write), the loss cap the user set wins over the stall budget and the writer's
+idle half, never over one save in flight, and the log says what the saves then cost. A first save
+that also allocated its host buffers stalls longer than the next ones: the next save, within the
+cap, measures again.
 
 A save's stall and write time are known only after a save, so each attempt saves once PROBE_STEPS
 steps in, then chooses. Rank 0 decides (`SaveCadence`) and its "save now" rides on the step's loss
@@ -35,6 +40,17 @@ WRITER_DUTY = 0.5  # the share of the interval a save's background write may tak
 PROBE_STEPS = 5  # the first save of an attempt, this many steps in: past compilation's first step
 RECENT_STEPS = 50  # the step time is the median of this many recent steps
 CHANGE = 1.25  # a longer interval is adopted only when it is this much longer (no flapping)
+# The rate of node losses without notice both auto cadences plan for: one every 10 minutes, a busy
+# spot market (the goodput goal's rate). Where nodes go less often, saving for this rate costs a
+# fraction of a percent more stall than the optimum; where they go more often, more redone steps.
+PLANNED_LOSS_EVERY_S = 600.0
+
+
+def least_loss_s(stall_s: float) -> float:
+    """The interval in seconds that loses least to saves stalling `stall_s` each and to the steps a
+    loss redoes (half an interval on average) at one loss per PLANNED_LOSS_EVERY_S: stall/T + T/2M is
+    least at T = sqrt(2 x stall x M) (Young 1974, Daly 2006)."""
+    return math.sqrt(2.0 * max(stall_s, 0.0) * PLANNED_LOSS_EVERY_S)
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,7 @@ class Interval:
     write_s: float
     max_lost_s: float
     met: bool  # the loss cap holds within the stall budget and the writer's idle half
+    peer_memory: bool = False  # the memory tier covers a lost node: storage saves as rarely as the cap allows
 
     @property
     def lost_s(self) -> float:
@@ -60,6 +77,11 @@ class Interval:
     def describe(self) -> str:
         why = (f"a node lost without notice redoes at most ~{self.lost_s:.0f}s of training "
                f"(--max-lost-minutes {self.max_lost_s / 60:g}), saves stall it {100 * self.stall_share:.2f}%")
+        if self.peer_memory:
+            why = (f"peer memory holds every rank's state, so a node lost without notice resumes from it; "
+                   f"these saves are for a node lost with its peer or the whole cluster, as rare as "
+                   f"--max-lost-minutes {self.max_lost_s / 60:g} allows (~{self.lost_s:.0f}s redone then), "
+                   f"and stall training {100 * self.stall_share:.2f}%")
         if not self.met:
             why = (f"--max-lost-minutes {self.max_lost_s / 60:g} needs saves that stall training more than "
                    f"{100 * STALL_BUDGET:g}% or keep the writer busy more than half the time: a node lost "
@@ -70,15 +92,19 @@ class Interval:
                 f"written in {self.write_s:.1f}s): {why}")
 
 
-def choose_interval(step_s: float, stall_s: float, write_s: float, max_lost_s: float) -> Interval:
-    """The checkpoint interval for these measurements (see the module's docstring)."""
+def choose_interval(step_s: float, stall_s: float, write_s: float, max_lost_s: float,
+                    peer_memory: bool = False) -> Interval:
+    """The checkpoint interval for these measurements (see the module's docstring); `peer_memory`:
+    the memory tier holds every rank's state on another node."""
     step_s = max(step_s, 1e-6)
     by_stall = math.ceil(stall_s / (STALL_BUDGET * step_s))
     by_write = math.ceil(write_s / (WRITER_DUTY * step_s))
     shortest = max(1, by_stall, by_write)
     longest = math.floor((max_lost_s - write_s) / step_s)  # interval + write within the loss cap
     if shortest <= longest:
-        return Interval(shortest, step_s, stall_s, write_s, max_lost_s, True)
+        least_loss = math.ceil(least_loss_s(stall_s) / step_s)
+        every = longest if peer_memory else min(longest, max(shortest, least_loss))
+        return Interval(every, step_s, stall_s, write_s, max_lost_s, True, peer_memory)
     one_in_flight = max(1, math.ceil(write_s / step_s))  # the next save is due after this one is written
     return Interval(max(one_in_flight, longest), step_s, stall_s, write_s, max_lost_s, False)
 
@@ -91,9 +117,11 @@ def plan_line(save_every: int, max_lost_minutes: float) -> str:
         return ("Checkpoints: only at the end (--save-every -1): a node lost without notice restarts the run "
                 "from its last checkpoint, which may be its start")
     return (f"Checkpoints: auto (--save-every 0): a save {PROBE_STEPS} steps into each attempt measures its "
-            f"stall and write time, then every N steps: the shortest interval whose saves stall training "
-            f"<= {100 * STALL_BUDGET:g}% and leave the writer idle half the time, and no longer than lets a "
-            f"node lost without notice redo {max_lost_minutes:g} min of training (--max-lost-minutes); "
+            f"stall and write time, then every N steps: the interval that loses least to saves' stalls "
+            f"and to a node lost every {PLANNED_LOSS_EVERY_S / 60:g} minutes, stalling training <= "
+            f"{100 * STALL_BUDGET:g}% and leaving the writer idle half the time, and no longer than lets a "
+            f"node lost without notice redo {max_lost_minutes:g} min of training (--max-lost-minutes); as "
+            f"long as that allows where peer memory holds the state (replicas on two nodes or more); "
             f"the log says N and each change")
 
 
@@ -131,10 +159,12 @@ def replica_line(replicate_every: int, share_bytes: int | None = None) -> str:
 class SaveCadence:
     """Rank 0's side of --save-every 0: measures steps and saves, says when the next save is due."""
 
-    def __init__(self, max_lost_minutes: float, first_step: int, log: Callable[[str], None]):
+    def __init__(self, max_lost_minutes: float, first_step: int, log: Callable[[str], None],
+                 peer_memory: bool = False):
         self.max_lost_s = 60.0 * max_lost_minutes
         self.first_step = first_step
         self.log = log
+        self.peer_memory = peer_memory  # every rank's state is mirrored on another node (choose_interval)
         self.interval: Interval | None = None  # None until the attempt's first save is measured
         self._steps: deque[float] = deque(maxlen=RECENT_STEPS)
         self._stall_s = 0.0
@@ -151,7 +181,8 @@ class SaveCadence:
             return
         # The attempt's first step (compilation, the loader's start) is no step time to plan with.
         steps = list(self._steps)[1:] if len(self._steps) < RECENT_STEPS else list(self._steps)
-        new = choose_interval(statistics.median(steps), self._stall_s, write_s, self.max_lost_s)
+        new = choose_interval(statistics.median(steps), self._stall_s, write_s, self.max_lost_s,
+                              self.peer_memory)
         old = self.interval
         if old is not None:
             # Hysteresis both ways: measurements wobble (a save stalls 3.4 or 3.6 steps' worth), and

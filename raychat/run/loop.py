@@ -314,7 +314,8 @@ def _train(config: WorkerRunConfig) -> None:
     done_before = (state.step >= num_iterations and w.saver.already_saved(state.step)
                    and state.final_evaluated)
     auto_save = w.master and cfg.save_every == 0
-    cadence = SaveCadence(cfg.max_lost_minutes, first_step, w.log) if auto_save else None
+    peer_memory = w.replicator is not None and w.replicator.covers_node_loss
+    cadence = SaveCadence(cfg.max_lost_minutes, first_step, w.log, peer_memory) if auto_save else None
     clock = w.publisher.clock  # the time ledger's causes outside steps (raychat.run.ledger)
     while True:
         last_step = state.step >= num_iterations  # the driver refuses a resume past the horizon

@@ -42,7 +42,7 @@ from raychat.checkpoint.saver import AsyncCheckpointWriter
 from raychat.checkpoint.sharded import Piece
 from raychat.data.cursor import Cursor, merge_cursor
 from raychat.model.gpt import GPTConfig
-from raychat.run.cadence import REPLICA_STALL_BUDGET, WRITER_DUTY
+from raychat.run.cadence import REPLICA_STALL_BUDGET, WRITER_DUTY, least_loss_s
 from raychat.run.holders import HOLDER_CALL_S, Replica
 
 T = TypeVar("T")
@@ -62,14 +62,17 @@ def peer_nodes(node_of_rank: list[str]) -> list[str | None]:
 
 
 def replicas_needed(step_s: float, stall_s: float, send_s: float, sends_compete: bool = False) -> float:
-    """Auto --replicate-every, unrounded: the fewest steps per replica whose copy stalls training at
-    most REPLICA_STALL_BUDGET of its time and whose background send leaves the host idle half of it,
-    as the checkpoint writer's. Where training itself runs on the host's CPUs (`sends_compete`), the
-    send's CPU time is taken from training: copy and send together keep to the budget."""
+    """Auto --replicate-every, unrounded: the interval that loses least to the copies' stalls and to the
+    steps a node lost without notice redoes (`least_loss_s`, at the loss rate auto plans for), but no
+    fewer steps than keep the copy within REPLICA_STALL_BUDGET of training and the background send
+    idle half the time, as the checkpoint writer's. Where training itself runs on the host's CPUs
+    (`sends_compete`), the send's CPU time is taken from training: copy and send together are the cost.
+    A copy that fits in the step's shadow (a GPU's) is nearly free: every step or two."""
     step_s = max(step_s, 1e-6)
-    if sends_compete:
-        return (stall_s + send_s) / REPLICA_STALL_BUDGET / step_s
-    return max(stall_s / REPLICA_STALL_BUDGET, send_s / WRITER_DUTY) / step_s
+    cost_s = stall_s + send_s if sends_compete else stall_s
+    by_budget = cost_s / REPLICA_STALL_BUDGET if sends_compete else max(stall_s / REPLICA_STALL_BUDGET,
+                                                                         send_s / WRITER_DUTY)
+    return max(by_budget, least_loss_s(cost_s)) / step_s
 
 
 def choose_interval(needed: float, current: int = 0) -> int:
@@ -137,6 +140,11 @@ class Replicator:
 
         self.writer.submit("memory replicas", replica.pieces, send)
         self.last_step = replica.step
+
+    @property
+    def covers_node_loss(self) -> bool:
+        """Whether a copy of this rank's state lives on another node (a group on two nodes or more)."""
+        return len(self.holders) > 1
 
     def sending(self) -> bool:
         """Whether this rank's last replica is still being put and handed to its holders."""
