@@ -52,6 +52,7 @@ INTRO = ("`python -m bench.goodput` (see its --help): the same elastic run (`--n
          "`ray.cluster_utils.Cluster` with the shipped configs' health checks; goodput from each run's "
          "ledger.")
 CADENCE = re.compile(r"every (\d+) steps \(~[\d.]+s; step (\d+)ms, save stall \d+ms, written in ([\d.]+)s\)")
+REPLICAS = re.compile(r"Memory replicas: every (\d+) step\(s\) \(copy \d+ms = ([\d.]+)% of training")
 
 
 def shipped_health_checks(config: Path = Path("cluster/h100.yaml")) -> dict:
@@ -70,6 +71,15 @@ def loss_bound(log: str) -> int | None:
         return None
     every, step_ms, write_s = found[-1]
     return int(every) + math.ceil(1000 * float(write_s) / max(int(step_ms), 1)) + 1
+
+
+def cadences(log: str) -> str:
+    """The intervals the auto cadences last chose in a driver's log: storage saves and memory replicas."""
+    saves, replicas = CADENCE.findall(log), REPLICAS.findall(log)
+    said = [f"storage saves every {saves[-1][0]} steps" if saves else "no storage cadence logged"]
+    if replicas:
+        said.append(f"memory replicas every {replicas[-1][0]} step(s) (copy {replicas[-1][1]}% of training)")
+    return ", ".join(said)
 
 
 class FaultEveryNMinutes(ChaosRun):
@@ -165,6 +175,7 @@ def measure(args: argparse.Namespace, out: Path, temp_dir: str) -> dict:
                 results[name] = audit_run(run, data, None)
                 results[name]["bounds"] = run.bounds
                 results[name]["wall_s"] = run_ledger(run.run_dir).wall_s
+                results[name]["cadences"] = cadences(run.drivers[-1].read_text())
     return {"started": started, "seconds": round(time.time() - started, 1), "machine": machine(),
             "fault": args.fault, "every_min": args.every_min, "steps": args.steps, "health_checks": health,
             **results}
@@ -196,10 +207,11 @@ def report(summary: dict, markdown: bool = False) -> str:
 
     lines = [f"{summary['fault']} every {summary['every_min']:g} min, {summary['steps']} steps, "
              f"health checks {json.dumps(summary['health_checks'])}",
-             f"undisturbed: goodput {pct(calm['goodput'])} in {calm['wall_s'] / 60:.1f} min",
+             f"undisturbed: goodput {pct(calm['goodput'])} in {calm['wall_s'] / 60:.1f} min; "
+             f"{calm.get('cadences', '-')}",
              f"faulted: goodput {pct(hit['goodput'])} in {hit['wall_s'] / 60:.1f} min, {hit['injected']} "
              f"faults, survived {hit['survived']}, steps redone {hit['redone']} (each within the cadence's "
-             f"bound: {within}); {docs}",
+             f"bound: {within}); {hit.get('cadences', '-')}; {docs}",
              "time lost per fault: " + ("-" if lost is None else f"{lost:.1f} s") + f"; at one fault every "
              f"10 min that is goodput {pct(at_ten)} (the undisturbed run's less the loss)",
              *[f"  fault {i}: {line}" for i, line in enumerate(faults, 1)],

@@ -256,6 +256,19 @@ class Storage:
     def read_text(self, name: str) -> str:
         return self.read_bytes(name).decode()
 
+    def read_replaceable(self, name: str, tries: int = 5) -> bytes:
+        """`name`'s bytes, all of one version, for a file `replace_atomically` may replace while it is
+        read (a lease record, the corpus meta). In a bucket a read is a HEAD for the size, then a
+        ranged GET: a replacement between the two returns the old size's prefix of the new object
+        (a lease's heartbeat going from beat 9 to 10 cut its record's closing brace). So the size is
+        asked again after the read, and the read repeated until the two agree."""
+        data = self.read_bytes(name)
+        for _ in range(tries if not self._local else 0):
+            if self.fs.get_file_info(self.path(name)).size == len(data):
+                break
+            data = self.read_bytes(name)
+        return data
+
     @contextmanager
     def read_faults_as_errors(self, flag: str = "--storage-path") -> Iterator[None]:
         """For a command that reads a run once (report, evaluate, sample, export): a storage fault
@@ -348,8 +361,8 @@ class Storage:
             raise ConnectionError(f"creating {self.child(name)}: {type(e).__name__}") from None
 
     def replace_atomically(self, name: str, data: bytes) -> None:
-        """Overwrite `name` with `data` so that a reader sees the old or the new content, never a torn
-        or empty file (`write_whole`)."""
+        """Overwrite `name` with `data` so that a reader (`read_replaceable`) sees the old or the new
+        content, never a torn or empty file (`write_whole`)."""
         self.write_whole(name, lambda f: f.write(data))
 
     def write_whole(self, name: str, write: Callable[[BinaryIO], T]) -> T:

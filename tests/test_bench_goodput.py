@@ -4,8 +4,9 @@ changed log line or config cannot leave the bench measuring nothing."""
 
 from pathlib import Path
 
-from bench.goodput import loss_bound, shipped_health_checks
+from bench.goodput import cadences, loss_bound, shipped_health_checks
 from raychat.run.cadence import choose_interval
+from raychat.run.replicas import Replicator
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,6 +27,24 @@ def test_the_loss_bound_is_read_from_the_cadence_line_the_trainer_logs():
     log += f"Checkpoint cadence changed from every 9 steps: {rare.describe()}\n"
     assert loss_bound(log) == 149 + 1 + 1
     assert loss_bound("no cadence line yet") is None
+
+
+def test_the_cadences_are_read_from_the_lines_the_trainer_logs():
+    lines: list[str] = []
+    replicator = Replicator(None, None, epoch=1, attempt=0, log=lines.append, warn=lines.append, every=0,
+                            sends_compete=True)
+    try:
+        replicator.last_step, replicator.send_cpu_s = 2, 0.02
+        replicator.writer.snapshot_seconds = 0.01
+        # 0.5 s steps, 30 ms of copy and send: sqrt(2 x 0.03 x 600) = 6 s, 12 steps
+        replicator.auto_due(3, 0, step_s=0.5)
+    finally:
+        replicator.close()
+    saves = choose_interval(step_s=0.5, stall_s=0.01, write_s=0.2, max_lost_s=60, peer_memory=True)
+    log = f"Checkpoint cadence: {saves.describe()}\n" + "\n".join(lines)
+    assert cadences(log) == ("storage saves every 119 steps, "
+                             "memory replicas every 12 step(s) (copy 0.2% of training)")
+    assert cadences("") == "no storage cadence logged"
 
 
 def test_the_bench_runs_with_the_health_checks_the_shipped_head_starts_with():

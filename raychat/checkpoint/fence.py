@@ -98,7 +98,7 @@ def epochs(run: Storage, log: Callable[[str], None] | None = None,
 def read_record(run: Storage, epoch: int, log: Callable[[str], None] | None = None) -> LeaseRecord:
     directory = lease_dir(run)
     kwargs = {"log": log} if log is not None else {}
-    data = retry_transient(lambda: directory.read_bytes(epoch_file(epoch)),
+    data = retry_transient(lambda: directory.read_replaceable(epoch_file(epoch)),
                            f"reading {directory.child(epoch_file(epoch))}", **kwargs)
     return LeaseRecord.from_json(data, str(directory.child(epoch_file(epoch))))
 

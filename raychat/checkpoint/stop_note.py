@@ -36,7 +36,7 @@ def _run(storage_path: str, run_name: str) -> Storage:
 
 
 def write_stop_note(storage_path: str, run_name: str, note: StopNote) -> None:
-    _run(storage_path, run_name).write_bytes(NOTE_NAME, json.dumps(note.to_dict()).encode())
+    _run(storage_path, run_name).replace_atomically(NOTE_NAME, json.dumps(note.to_dict()).encode())
 
 
 def read_stop_note(storage_path: str, run_name: str) -> StopNote | None:
@@ -45,7 +45,7 @@ def read_stop_note(storage_path: str, run_name: str) -> StopNote | None:
         return None
     where = f"{run}/{NOTE_NAME}"
     try:
-        raw = json.loads(run.read_bytes(NOTE_NAME))
+        raw = json.loads(run.read_replaceable(NOTE_NAME))
     except ValueError:
         raise RaychatError(f"{where} is not JSON: delete it and rerun") from None
     return StopNote.from_dict(raw, where=where)

@@ -312,7 +312,7 @@ def read_corpus_meta(data_dir: str | Path) -> dict:
     def read() -> bytes | None:
         if not storage.is_file(CORPUS_META_FILE):
             return None
-        return storage.read_bytes(CORPUS_META_FILE)
+        return storage.read_replaceable(CORPUS_META_FILE)
 
     try:
         data = retry_transient(read, f"reading {where}")

@@ -126,7 +126,7 @@ class RecordReservation(ControllerCallback):
     def after_controller_start(self, train_run_context) -> None:
         record = {"requester": train_requester_id(train_run_context.run_id), "epoch": self.lease_epoch}
         with contextlib.suppress(OSError):  # without the record a relaunch only waits longer
-            Storage(self.run_dir).write_bytes(RESERVATION_FILE, json.dumps(record).encode())
+            Storage(self.run_dir).replace_atomically(RESERVATION_FILE, json.dumps(record).encode())
 
 
 def release_stale_reservation(run_dir: Storage, taken_over: LeaseRecord | None,
@@ -138,7 +138,7 @@ def release_stale_reservation(run_dir: Storage, taken_over: LeaseRecord | None,
     if taken_over is None:
         return
     try:
-        record = json.loads(run_dir.read_bytes(RESERVATION_FILE))
+        record = json.loads(run_dir.read_replaceable(RESERVATION_FILE))
         requester, epoch = record["requester"], record["epoch"]
     except (OSError, ValueError, KeyError, TypeError):
         return  # no previous controller recorded one
