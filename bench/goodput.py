@@ -174,11 +174,20 @@ def measure(args: argparse.Namespace, out: Path, temp_dir: str) -> dict:
                 run.run()
                 results[name] = audit_run(run, data, None)
                 results[name]["bounds"] = run.bounds
-                results[name]["wall_s"] = run_ledger(run.run_dir).wall_s
+                ledger = run_ledger(run.run_dir)
+                results[name]["wall_s"] = ledger.wall_s
+                results[name]["steady"] = steady_goodput(ledger.seconds, ledger.wall_s)
                 results[name]["cadences"] = cadences(run.drivers[-1].read_text())
     return {"started": started, "seconds": round(time.time() - started, 1), "machine": machine(),
             "fault": args.fault, "every_min": args.every_min, "steps": args.steps, "health_checks": health,
             **results}
+
+
+def steady_goodput(seconds: dict[str, float], wall_s: float) -> float | None:
+    """Goodput without the run's one-off costs: the first start-up and the evaluation, which the bench's
+    runs do once, at the end (--eval-every -1). A run many times longer than the bench's approaches it."""
+    steady_wall = wall_s - seconds.get("startup", 0.0) - seconds.get("eval", 0.0)
+    return seconds.get("training", 0.0) / steady_wall if steady_wall > 0 else None
 
 
 def lost_per_fault(summary: dict) -> float | None:
@@ -194,6 +203,8 @@ def report(summary: dict, markdown: bool = False) -> str:
     calm, hit = summary["undisturbed"], summary["faulted"]
     lost = lost_per_fault(summary)
     at_ten = None if lost is None or calm["goodput"] is None else calm["goodput"] - lost / TEN_MINUTES_S
+    steady = calm.get("steady")
+    steady_at_ten = None if lost is None or steady is None else steady - lost / TEN_MINUTES_S
     pairs = list(zip(hit["faults"], hit["bounds"], strict=True))
     faults = [f"step {f['injected_step']}: {f['recovery_s']} s to recover, {f['redone']} steps redone "
               f"(cadence bound {bound}); {f['note']}" for f, bound in pairs]
@@ -214,6 +225,9 @@ def report(summary: dict, markdown: bool = False) -> str:
              f"bound: {within}); {hit.get('cadences', '-')}; {docs}",
              "time lost per fault: " + ("-" if lost is None else f"{lost:.1f} s") + f"; at one fault every "
              f"10 min that is goodput {pct(at_ten)} (the undisturbed run's less the loss)",
+             f"steady state (the first start-up and the final evaluation apart: what a longer run "
+             f"approaches): undisturbed {pct(calm.get('steady'))}, faulted {pct(hit.get('steady'))}; at one "
+             f"fault every 10 min {pct(steady_at_ten)}",
              *[f"  fault {i}: {line}" for i, line in enumerate(faults, 1)],
              "faulted run's ledger:", *hit["ledger"], "undisturbed run's ledger:", *calm["ledger"]]
     if not markdown:

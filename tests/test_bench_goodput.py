@@ -4,7 +4,7 @@ changed log line or config cannot leave the bench measuring nothing."""
 
 from pathlib import Path
 
-from bench.goodput import cadences, loss_bound, shipped_health_checks
+from bench.goodput import cadences, loss_bound, shipped_health_checks, steady_goodput
 from raychat.run.cadence import choose_interval
 from raychat.run.replicas import Replicator
 
@@ -45,6 +45,13 @@ def test_the_cadences_are_read_from_the_lines_the_trainer_logs():
     assert cadences(log) == ("storage saves every 119 steps, "
                              "memory replicas every 12 step(s) (copy 0.2% of training)")
     assert cadences("") == "no storage cadence logged"
+
+
+def test_steady_goodput_leaves_out_the_first_start_up_and_the_final_evaluation():
+    # 20 s start-up, 900 s training, a 10 s final evaluation, 10 s saves, 10 s else: 900 / (950 - 30)
+    seconds = {"startup": 20.0, "training": 900.0, "eval": 10.0, "checkpoint": 10.0, "other": 10.0}
+    assert steady_goodput(seconds, 950.0) == 900.0 / 920.0
+    assert steady_goodput({"startup": 5.0}, 5.0) is None
 
 
 def test_the_bench_runs_with_the_health_checks_the_shipped_head_starts_with():
