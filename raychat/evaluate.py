@@ -47,9 +47,11 @@ def score_on_workers(args: tuple, num_workers: int) -> list[Results]:
     import ray
 
     from raychat.run.cluster_address import LOCAL
+    from raychat.run.quiet import quiet_ray
     from raychat.run.ray_internals import record_command_line_redacted
 
     if not ray.is_initialized():
+        quiet_ray(main_is_raychat=True)  # Ray's start-up and token-auth notices are not the command's output
         record_command_line_redacted(redact)  # a joined cluster shows the command line: no credentials
         local = {"address": LOCAL, "num_cpus": num_workers, "include_dashboard": False}
         kwargs = {} if os.environ.get("RAY_ADDRESS") else local

@@ -63,6 +63,7 @@ def test_evaluate_core_agrees_with_the_loop_at_any_worker_count(ray_session, cor
         assert re.search(r"^capitals +1-shot multiple_choice +accuracy: \d\.\d{4} \| centered: -?\d\.\d{4}$",
                          result.stdout, re.M)
         assert f"CORE metric: {in_loop} (12 examples" in result.stdout
+        assert "Ray" not in result.stderr, result.stderr[-2000:]  # nor its start-up or token notices
     broken = bundle.parent / "broken"
     write_word_bundle(broken)
     (broken / "eval_meta_data.csv").write_text("Eval Task,Random baseline\n")
