@@ -9,7 +9,8 @@ runs with the user's defaults (the auto checkpoint cadence, --max-lost-minutes 1
 detection the shipped cluster configs set (cluster/h100.yaml's --system-config), then prints:
 
   - each run's goodput and its ledger by cause; each fault's step, recovery time and steps redone,
-    beside the steps the checkpoint cadence in force bounds a loss to;
+    beside the steps the tier it restored from bounds a loss to (the memory replicas' interval, or the
+    storage cadence's);
   - the time lost per fault, and the goodput that loss gives at one fault every 10 minutes;
   - the exactly-once audit of the faulted run (bench.chaos_audit): every epoch-1 document trained
     once by its final timeline.
@@ -73,6 +74,14 @@ def loss_bound(log: str) -> int | None:
     return int(every) + math.ceil(1000 * float(write_s) / max(int(step_ms), 1)) + 1
 
 
+def replica_bound(log: str) -> int | None:
+    """The most steps a loss restored from peer memory may redo under the replica interval last logged
+    in `log`: the interval, twice when the newest replica was still being sent as the node went (its
+    holders keep the one before), plus the step in flight."""
+    found = REPLICAS.findall(log)
+    return 2 * int(found[-1][0]) + 1 if found else None
+
+
 def cadences(log: str) -> str:
     """The intervals the auto cadences last chose in a driver's log: storage saves and memory replicas."""
     saves, replicas = CADENCE.findall(log), REPLICAS.findall(log)
@@ -92,7 +101,8 @@ class FaultEveryNMinutes(ChaosRun):
     def __init__(self, spec: RunSpec, ctx: Context, kind: str | None, every_s: float, rng: random.Random):
         super().__init__(spec, ctx)
         self.kind, self.every_s, self.rng = kind, every_s, rng
-        self.bounds: list[int | None] = []  # the cadence's bound when each fault landed
+        self.bounds: list[int | None] = []  # the storage cadence's bound when each fault landed
+        self.replica_bounds: list[int | None] = []  # the memory replicas' bound then (replica_bound)
 
     def flags(self, steps: int | None = None) -> list[str]:
         flags = super().flags(steps)
@@ -117,7 +127,9 @@ class FaultEveryNMinutes(ChaosRun):
                 return
             fault = Fault(self.kind, step, self.rng.random())
             self.schedule.append(fault)
-            self.bounds.append(loss_bound(self.drivers[-1].read_text()))
+            log = self.drivers[-1].read_text()
+            self.bounds.append(loss_bound(log))
+            self.replica_bounds.append(replica_bound(log))
             self.inject(fault)
 
 
@@ -174,6 +186,7 @@ def measure(args: argparse.Namespace, out: Path, temp_dir: str) -> dict:
                 run.run()
                 results[name] = audit_run(run, data, None)
                 results[name]["bounds"] = run.bounds
+                results[name]["replica_bounds"] = run.replica_bounds
                 ledger = run_ledger(run.run_dir)
                 results[name]["wall_s"] = ledger.wall_s
                 results[name]["steady"] = steady_goodput(ledger.seconds, ledger.wall_s)
@@ -188,6 +201,14 @@ def steady_goodput(seconds: dict[str, float], wall_s: float) -> float | None:
     runs do once, at the end (--eval-every -1). A run many times longer than the bench's approaches it."""
     steady_wall = wall_s - seconds.get("startup", 0.0) - seconds.get("eval", 0.0)
     return seconds.get("training", 0.0) / steady_wall if steady_wall > 0 else None
+
+
+def fault_bounds(run: dict) -> list[tuple[str, int | None]]:
+    """Each fault's bound on the steps it may redo, by the tier it was restored from: the memory
+    replicas' interval for a restore from peer memory (its note says so), else the storage cadence's."""
+    replica_bounds = run.get("replica_bounds") or [None] * len(run["bounds"])
+    return [("replica", replica) if "(peer memory)" in (f.get("note") or "") else ("cadence", durable)
+            for f, durable, replica in zip(run["faults"], run["bounds"], replica_bounds, strict=True)]
 
 
 def lost_per_fault(summary: dict) -> float | None:
@@ -205,10 +226,10 @@ def report(summary: dict, markdown: bool = False) -> str:
     at_ten = None if lost is None or calm["goodput"] is None else calm["goodput"] - lost / TEN_MINUTES_S
     steady = calm.get("steady")
     steady_at_ten = None if lost is None or steady is None else steady - lost / TEN_MINUTES_S
-    pairs = list(zip(hit["faults"], hit["bounds"], strict=True))
+    pairs = list(zip(hit["faults"], fault_bounds(hit), strict=True))
     faults = [f"step {f['injected_step']}: {f['recovery_s']} s to recover, {f['redone']} steps redone "
-              f"(cadence bound {bound}); {f['note']}" for f, bound in pairs]
-    within = all(bound is not None and f["redone"] <= bound for f, bound in pairs)
+              f"({tier} bound {bound}); {f['note']}" for f, (tier, bound) in pairs]
+    within = all(bound is not None and f["redone"] <= bound for f, (_, bound) in pairs)
     docs = "every epoch-1 document trained once" if hit["ok"] else "FAILED: " + "; ".join(hit["problems"])
     if not hit["injected"]:
         docs += "; FAILED: no fault was injected (the run ended first: more --steps or a shorter --every-min)"
@@ -221,7 +242,7 @@ def report(summary: dict, markdown: bool = False) -> str:
              f"undisturbed: goodput {pct(calm['goodput'])} in {calm['wall_s'] / 60:.1f} min; "
              f"{calm.get('cadences', '-')}",
              f"faulted: goodput {pct(hit['goodput'])} in {hit['wall_s'] / 60:.1f} min, {hit['injected']} "
-             f"faults, survived {hit['survived']}, steps redone {hit['redone']} (each within the cadence's "
+             f"faults, survived {hit['survived']}, steps redone {hit['redone']} (each within its tier's "
              f"bound: {within}); {hit.get('cadences', '-')}; {docs}",
              "time lost per fault: " + ("-" if lost is None else f"{lost:.1f} s") + f"; at one fault every "
              f"10 min that is goodput {pct(at_ten)} (the undisturbed run's less the loss)",

@@ -4,7 +4,14 @@ changed log line or config cannot leave the bench measuring nothing."""
 
 from pathlib import Path
 
-from bench.goodput import cadences, loss_bound, shipped_health_checks, steady_goodput
+from bench.goodput import (
+    cadences,
+    fault_bounds,
+    loss_bound,
+    replica_bound,
+    shipped_health_checks,
+    steady_goodput,
+)
 from raychat.run.cadence import choose_interval
 from raychat.run.replicas import Replicator
 
@@ -45,6 +52,13 @@ def test_the_cadences_are_read_from_the_lines_the_trainer_logs():
     assert cadences(log) == ("storage saves every 119 steps, "
                              "memory replicas every 12 step(s) (copy 0.2% of training)")
     assert cadences("") == "no storage cadence logged"
+    # A loss restored from peer memory redoes at most two replica intervals (the newest replica may be
+    # in flight as the node goes) and the step in flight; one restored from storage, the cadence's bound.
+    assert replica_bound(log) == 2 * 12 + 1 and replica_bound("") is None
+    run = {"faults": [{"note": "continued on 2 from step 90 (peer memory), 0 bytes read from storage"},
+                      {"note": "continued on 2 from step 80 (checkpoint_000080), 2 MB read from storage"}],
+           "bounds": [151, 151], "replica_bounds": [25, 25]}
+    assert fault_bounds(run) == [("replica", 25), ("cadence", 151)]
 
 
 def test_steady_goodput_leaves_out_the_first_start_up_and_the_final_evaluation():
