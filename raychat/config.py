@@ -100,7 +100,9 @@ class TrainConfig(Record):
                             "replicas on a peer node hold the state; -1 = only at the end)",
                             "evaluation")
     max_lost_minutes: float = _flag(1.0, "--save-every 0: the most training a node lost without notice "
-                                    "should redo, in minutes (the checkpoint interval plus a save's write)",
+                                    "should redo, in minutes (the checkpoint interval plus a save's write); "
+                                    "where memory replicas on a peer node cover a lost node, the most a node "
+                                    "lost with its peer, or the whole cluster, should redo",
                                     "evaluation")
     replicate_every: int = _flag(0, "mirror every rank's state in host memory on its own node and a peer "
                                  "node every N steps, so a node lost without notice redoes about N steps "
