@@ -142,9 +142,10 @@ def replica_line(replicate_every: int, share_bytes: int | None = None) -> str:
         return ("Memory replicas: off (--replicate-every -1): a node lost without notice restarts from the "
                 "last checkpoint in storage")
     every = (f"every {replicate_every} steps" if replicate_every > 0 else
-             f"auto (--replicate-every 0): every step or more, as the copy stalls training <= "
-             f"{100 * REPLICA_STALL_BUDGET:g}% and the send leaves the host idle half the time (training on "
-             f"CPUs: copy and send together <= {100 * REPLICA_STALL_BUDGET:g}%)")
+             f"auto (--replicate-every 0): every step or more, the interval that loses least to the copies' "
+             f"stalls and to a node lost every {PLANNED_LOSS_EVERY_S / 60:g} minutes, the copy stalling "
+             f"training <= {100 * REPLICA_STALL_BUDGET:g}% and the send leaving the host idle half the time "
+             f"(training on CPUs: copy and send together <= {100 * REPLICA_STALL_BUDGET:g}%)")
     line = (f"Memory replicas: {every}; each rank's state on its own node and the next node: a lost worker "
             f"or node resumes from memory, nothing read from storage (a one-node group keeps its own node's "
             f"copy, for a lost worker process)")
