@@ -246,9 +246,9 @@ def report(summary: dict, markdown: bool = False) -> str:
              f"bound: {within}); {hit.get('cadences', '-')}; {docs}",
              "time lost per fault: " + ("-" if lost is None else f"{lost:.1f} s") + f"; at one fault every "
              f"10 min that is goodput {pct(at_ten)} (the undisturbed run's less the loss)",
-             f"steady state (the first start-up and the final evaluation apart: what a longer run "
-             f"approaches): undisturbed {pct(calm.get('steady'))}, faulted {pct(hit.get('steady'))}; at one "
-             f"fault every 10 min {pct(steady_at_ten)}",
+             f"steady state (the first start-up and the final evaluation apart: what a longer run with "
+             f"these flags approaches): undisturbed {pct(calm.get('steady'))}, faulted "
+             f"{pct(hit.get('steady'))}; at one fault every 10 min {pct(steady_at_ten)}",
              *[f"  fault {i}: {line}" for i, line in enumerate(faults, 1)],
              "faulted run's ledger:", *hit["ledger"], "undisturbed run's ledger:", *calm["ledger"]]
     if not markdown:

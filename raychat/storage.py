@@ -258,16 +258,39 @@ class Storage:
 
     def read_replaceable(self, name: str, tries: int = 5) -> bytes:
         """`name`'s bytes, all of one version, for a file `replace_atomically` may replace while it is
-        read (a lease record, the corpus meta). In a bucket a read is a HEAD for the size, then a
-        ranged GET: a replacement between the two returns the old size's prefix of the new object
-        (a lease's heartbeat going from beat 9 to 10 cut its record's closing brace). So the size is
-        asked again after the read, and the read repeated until the two agree."""
-        data = self.read_bytes(name)
-        for _ in range(tries if not self._local else 0):
-            if self.fs.get_file_info(self.path(name)).size == len(data):
-                break
+        read (a lease record, the stop note, the corpus meta). pyarrow reads an object as a HEAD for
+        its size, then a ranged GET: a replacement between the two came back as the old size's prefix
+        of the new object (a heartbeat's beat 9 -> 10 cut a lease record's closing brace) or the new
+        one padded with NULs. On S3 this is one GET without a range, which returns one version whole;
+        on other stores the size is asked again after the read and the read repeated until they agree
+        (a ConnectionError, retried as a storage fault, if they never do)."""
+        if self._local:
+            return self.read_bytes(name)
+        if urlsplit(self.location).scheme == "s3":
+            return self._s3_get(name)
+        for _ in range(tries):
             data = self.read_bytes(name)
-        return data
+            if self.fs.get_file_info(self.path(name)).size == len(data):
+                return data
+        raise ConnectionError(f"reading {self.child(name)}: it was replaced during each of {tries} reads")
+
+    def _s3_get(self, name: str) -> bytes:
+        """One whole GET of `name` (boto3: pyarrow's reads are ranged), its faults sorted as
+        create_exclusive's: a missing key is FileNotFoundError, throttling, 5xx and a lost connection
+        ConnectionError (retried), the rest OSError."""
+        bucket, key = self._bucket_key(name)
+        try:
+            return self._s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        except botocore_errors().ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "")
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if code in ("NoSuchKey", "404") or status == 404:
+                raise FileNotFoundError(f"reading {self.child(name)}: not found") from None
+            if code in ("SlowDown", "Throttling") or status == 429 or status >= 500:
+                raise ConnectionError(f"reading {self.child(name)}: {code or status}") from None
+            raise OSError(f"reading {self.child(name)}: {code or e}") from None
+        except botocore_errors().BotoCoreError as e:  # endpoint unreachable, read timeout, reset
+            raise ConnectionError(f"reading {self.child(name)}: {type(e).__name__}") from None
 
     @contextmanager
     def read_faults_as_errors(self, flag: str = "--storage-path") -> Iterator[None]:

@@ -30,7 +30,7 @@ def test_the_loss_bound_is_read_from_the_cadence_line_the_trainer_logs():
     log += f"Checkpoint cadence changed from every 25 steps: {changed.describe()}\n"
     assert loss_bound(log) == 9 + 1 + 1
     # with peer memory, as rare as the cap allows: floor((60 - 0.2) / 0.4) = 149
-    rare = choose_interval(step_s=0.4, stall_s=0.010, write_s=0.2, max_lost_s=60, peer_memory=True)
+    rare = choose_interval(step_s=0.4, stall_s=0.010, write_s=0.2, max_lost_s=60, replica_every=9)
     log += f"Checkpoint cadence changed from every 9 steps: {rare.describe()}\n"
     assert loss_bound(log) == 149 + 1 + 1
     assert loss_bound("no cadence line yet") is None
@@ -47,7 +47,7 @@ def test_the_cadences_are_read_from_the_lines_the_trainer_logs():
         replicator.auto_due(3, 0, step_s=0.5)
     finally:
         replicator.close()
-    saves = choose_interval(step_s=0.5, stall_s=0.01, write_s=0.2, max_lost_s=60, peer_memory=True)
+    saves = choose_interval(step_s=0.5, stall_s=0.01, write_s=0.2, max_lost_s=60, replica_every=5)
     log = f"Checkpoint cadence: {saves.describe()}\n" + "\n".join(lines)
     assert cadences(log) == ("storage saves every 119 steps, "
                              "memory replicas every 12 step(s) (copy 0.2% of training)")

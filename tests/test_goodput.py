@@ -28,11 +28,14 @@ def test_the_interval_loses_least_within_the_stall_budget_the_writer_and_the_los
     # the least loss at one node lost per 600 s is sqrt(2 x 0.1 x 600) = 11 s, 3 steps too.
     cheap = choose_interval(step_s=4.0, stall_s=0.1, write_s=1.0, max_lost_s=60.0)
     assert cheap.every == 3 and cheap.met and cheap.stall_share <= 0.01 and cheap.lost_s <= 60
-    # 1 s steps, a 30 ms stall: the budget allows every 3 steps, the least loss is sqrt(36) = 6 s.
-    assert choose_interval(step_s=1.0, stall_s=0.03, write_s=0.5, max_lost_s=60.0).every == 6
-    # Peer memory holds every rank's state: storage saves as rarely as the cap allows (14 x 4 s + 1 s).
-    rare = choose_interval(step_s=4.0, stall_s=0.1, write_s=1.0, max_lost_s=60.0, peer_memory=True)
+    # 1 s steps, a 25 ms stall: the budget allows every 3 steps, the least loss is sqrt(30) = 5.5 s: 6.
+    assert choose_interval(step_s=1.0, stall_s=0.025, write_s=0.5, max_lost_s=60.0).every == 6
+    # Peer memory holds every rank's state, replicated every step: storage saves as rarely as the cap
+    # allows (14 x 4 s + 1 s). Replicas every 5 steps bound a loss worse than saves every 3: no change.
+    rare = choose_interval(step_s=4.0, stall_s=0.1, write_s=1.0, max_lost_s=60.0, replica_every=1)
     assert rare.every == 14 and rare.met and rare.lost_s == 57.0 and "peer memory" in rare.describe()
+    sparse = choose_interval(step_s=4.0, stall_s=0.1, write_s=1.0, max_lost_s=60.0, replica_every=5)
+    assert sparse.every == 3 and not sparse.peer_memory
     # A 20 s write keeps the writer busy at most half the interval: 10 steps, whatever the stall.
     slow_write = choose_interval(step_s=4.0, stall_s=0.01, write_s=20.0, max_lost_s=60.0)
     assert slow_write.every == 10 and slow_write.met and slow_write.lost_s == 60.0
@@ -71,6 +74,23 @@ def test_rank_zeros_cadence_probes_then_chooses_and_logs_changes():
     cadence.save_written(1.0)
     assert cadence.interval.every == 13
     assert lines[-1].startswith("Checkpoint cadence changed from every 3 steps: every 13 steps")
+
+
+def test_a_save_comes_early_when_the_wall_clock_would_pass_the_loss_cap():
+    """The interval is counted in steps measured at the last save; steps that slow down afterwards (or
+    evaluations between saves) must not stretch a loss past --max-lost-minutes."""
+    now = [0.0]
+    lines: list[str] = []
+    cadence = SaveCadence(max_lost_minutes=1.0, first_step=0, log=lines.append, clock=lambda: now[0])
+    for _ in range(PROBE_STEPS + 1):
+        cadence.step_done(0.5)
+    cadence.save_stalled(0.01)  # the probe, at t = 0
+    cadence.save_written(0.5, replica_every=1)  # peer memory: as rare as the cap allows
+    assert cadence.interval.every == 119 and "peer memory" in lines[-1]  # (60 - 0.5) / 0.5
+    now[0] = 30.0  # 30 steps later, at 1 s each: far from 119 steps, and 30 s + 0.5 s + 0.5 s < 60 s
+    assert not cadence.due(35, 5)
+    now[0] = 59.0  # 59 s since the save: its write and one more step reach the minute
+    assert cadence.due(64, 5) and not cadence.due(5, 5)
 
 
 def synthetic_log() -> list[dict]:

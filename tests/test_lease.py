@@ -67,9 +67,12 @@ def test_racing_drivers_on_local_disk_exactly_one_trains(tmp_path):
 def test_racing_drivers_on_s3_exactly_one_trains_whoever_is_slower(s3_endpoint, monkeypatch):
     """The old lease let both drivers in when one PUT was 1.3 s slower than the other. Now each
     trial races direct drivers against ones behind the fault proxy, whose lease PUTs are delayed."""
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
-        monkeypatch.setenv(name, os.environ.get(name, ""))  # the bench's server sets them: restored after
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", os.environ.get("AWS_EC2_METADATA_DISABLED", ""))
+    bench_sets = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                  "AWS_EC2_METADATA_DISABLED")
+    for name in bench_sets:  # the bench's server sets them: each is put back as it was (or unset) after
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+        if os.environ[name] == "":
+            monkeypatch.delenv(name)
     with S3FaultProxy(s3_endpoint, seed=0) as proxy:
         for trial in range(4):
             rng = random.Random(trial)

@@ -56,6 +56,20 @@ def test_a_restore_takes_the_newest_whole_set_of_its_epoch_not_older_than_storag
     assert choose_set([a, b, c], epoch=3, min_step=0) == ((11, 1), 3)
 
 
+def test_the_storage_cadence_leans_on_peer_memory_only_while_a_peer_holds_a_recent_replica():
+    peered = Replicator(object(), object(), epoch=1, attempt=0, log=print, warn=print, every=3)
+    alone = Replicator(object(), None, epoch=1, attempt=0, log=print, warn=print, every=3)
+    try:
+        assert peered.peer_interval(10) is None  # nothing held on the peer node yet
+        peered.held_step = alone.held_step = 10
+        # held within two intervals and a step (a replica in flight, the one before it held): 3
+        assert peered.peer_interval(17) == 3 and peered.peer_interval(18) is None
+        assert alone.peer_interval(11) is None  # a one-node group: its node's copy dies with it
+    finally:
+        peered.close()
+        alone.close()
+
+
 def test_auto_interval_loses_least_at_the_planned_loss_rate_within_the_budgets():
     # Young/Daly at one loss per 600 s: a 10 ms copy every T s against T/2 redone per loss is least
     # at T = sqrt(2 x 0.01 x 600) = 3.46 s, where 1 step would do for the 2% budget (0.01 / 0.02)

@@ -31,6 +31,7 @@ all-reduce (raychat.run.elastic.ElasticSignals), so every rank saves at the same
 
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,18 +94,21 @@ class Interval:
 
 
 def choose_interval(step_s: float, stall_s: float, write_s: float, max_lost_s: float,
-                    peer_memory: bool = False) -> Interval:
-    """The checkpoint interval for these measurements (see the module's docstring); `peer_memory`:
-    the memory tier holds every rank's state on another node."""
+                    replica_every: int | None = None) -> Interval:
+    """The checkpoint interval for these measurements (see the module's docstring). `replica_every`:
+    the memory tier's interval while it holds every rank's state on another node (None: it does not).
+    Storage saves go as rarely as the cap allows only where replicas come at least as often as they
+    would (a sparse --replicate-every bounds a loss worse than the saves do)."""
     step_s = max(step_s, 1e-6)
     by_stall = math.ceil(stall_s / (STALL_BUDGET * step_s))
     by_write = math.ceil(write_s / (WRITER_DUTY * step_s))
     shortest = max(1, by_stall, by_write)
     longest = math.floor((max_lost_s - write_s) / step_s)  # interval + write within the loss cap
     if shortest <= longest:
-        least_loss = math.ceil(least_loss_s(stall_s) / step_s)
-        every = longest if peer_memory else min(longest, max(shortest, least_loss))
-        return Interval(every, step_s, stall_s, write_s, max_lost_s, True, peer_memory)
+        every = min(longest, max(shortest, math.ceil(least_loss_s(stall_s) / step_s)))
+        peer_memory = replica_every is not None and replica_every <= every
+        return Interval(longest if peer_memory else every, step_s, stall_s, write_s, max_lost_s, True,
+                        peer_memory)
     one_in_flight = max(1, math.ceil(write_s / step_s))  # the next save is due after this one is written
     return Interval(max(one_in_flight, longest), step_s, stall_s, write_s, max_lost_s, False)
 
@@ -161,12 +165,13 @@ class SaveCadence:
     """Rank 0's side of --save-every 0: measures steps and saves, says when the next save is due."""
 
     def __init__(self, max_lost_minutes: float, first_step: int, log: Callable[[str], None],
-                 peer_memory: bool = False):
+                 clock: Callable[[], float] = time.monotonic):
         self.max_lost_s = 60.0 * max_lost_minutes
         self.first_step = first_step
         self.log = log
-        self.peer_memory = peer_memory  # every rank's state is mirrored on another node (choose_interval)
+        self.clock = clock
         self.interval: Interval | None = None  # None until the attempt's first save is measured
+        self._saved_at = clock()  # when the last save was taken (the attempt's start before any)
         self._steps: deque[float] = deque(maxlen=RECENT_STEPS)
         self._stall_s = 0.0
 
@@ -175,15 +180,18 @@ class SaveCadence:
 
     def save_stalled(self, seconds: float) -> None:
         self._stall_s = seconds
+        self._saved_at = self.clock()
 
-    def save_written(self, write_s: float) -> None:
-        """A save is whole: choose the interval again from the latest numbers; log a change."""
+    def save_written(self, write_s: float, replica_every: int | None = None) -> None:
+        """A save is whole: choose the interval again from the latest numbers (`replica_every`: the
+        memory tier's interval while peer nodes hold every rank's recent state, choose_interval);
+        log a change."""
         if len(self._steps) < 2:
             return
         # The attempt's first step (compilation, the loader's start) is no step time to plan with.
         steps = list(self._steps)[1:] if len(self._steps) < RECENT_STEPS else list(self._steps)
         new = choose_interval(statistics.median(steps), self._stall_s, write_s, self.max_lost_s,
-                              self.peer_memory)
+                              replica_every)
         old = self.interval
         if old is not None:
             # Hysteresis both ways: measurements wobble (a save stalls 3.4 or 3.6 steps' worth), and
@@ -198,6 +206,11 @@ class SaveCadence:
                  f"Checkpoint cadence changed from every {old.every} steps: {new.describe()}")
 
     def due(self, step: int, last_saved: int | None) -> bool:
-        """Whether the state before `step` is to be saved."""
+        """Whether the state before `step` is to be saved: `interval.every` steps on, or sooner when
+        the wall time since the last save, its write and a step would pass --max-lost-minutes (steps
+        that slowed since the interval was measured, evaluations between saves)."""
         since = step - (last_saved if last_saved is not None else self.first_step)
-        return since >= (self.interval.every if self.interval is not None else PROBE_STEPS)
+        if self.interval is None:
+            return since >= PROBE_STEPS
+        late = self.clock() - self._saved_at + self.interval.write_s + self.interval.step_s >= self.max_lost_s
+        return since >= self.interval.every or (since > 0 and late)

@@ -314,8 +314,7 @@ def _train(config: WorkerRunConfig) -> None:
     done_before = (state.step >= num_iterations and w.saver.already_saved(state.step)
                    and state.final_evaluated)
     auto_save = w.master and cfg.save_every == 0
-    peer_memory = w.replicator is not None and w.replicator.covers_node_loss
-    cadence = SaveCadence(cfg.max_lost_minutes, first_step, w.log, peer_memory) if auto_save else None
+    cadence = SaveCadence(cfg.max_lost_minutes, first_step, w.log) if auto_save else None
     clock = w.publisher.clock  # the time ledger's causes outside steps (raychat.run.ledger)
     while True:
         last_step = state.step >= num_iterations  # the driver refuses a resume past the horizon
@@ -354,7 +353,8 @@ def _train(config: WorkerRunConfig) -> None:
         # from (it is in storage already). The writer works in the background; the cadence learns
         # from each save how long it stalled the loop and how long the write took.
         if w.saver.poll() is not None and cadence is not None:
-            cadence.save_written(w.saver.writer.write_seconds)
+            peer = w.replicator.peer_interval(state.step) if w.replicator is not None else None
+            cadence.save_written(w.saver.writer.write_seconds, replica_every=peer)
         if last_step or (state.step != first_step and _save_due(cfg, state.step, signals)):
             with clock("checkpoint") as stall:
                 saved = save(w, state, wait=last_step)

@@ -23,7 +23,8 @@ with Ray actors:
   merged on restore, as a save merges them. A set that cannot be read whole (its holder died during
   the restore) is abandoned by every rank together, for the durable checkpoint.
 
-Durable checkpoints keep their cadence: they are the truth for a cluster lost whole.
+Durable checkpoints remain the truth for a cluster lost whole; while peer nodes hold every rank's
+recent state they are as rare as --max-lost-minutes allows (raychat.run.cadence).
 """
 
 import dataclasses
@@ -141,10 +142,13 @@ class Replicator:
         self.writer.submit("memory replicas", replica.pieces, send)
         self.last_step = replica.step
 
-    @property
-    def covers_node_loss(self) -> bool:
-        """Whether a copy of this rank's state lives on another node (a group on two nodes or more)."""
-        return len(self.holders) > 1
+    def peer_interval(self, step: int) -> int | None:
+        """The replica interval while a peer node holds this rank's recent state (its newest step held
+        on another node within two intervals and a step of `step`), else None (a one-node group, no
+        replica held yet, sends failing or skipped): what the storage cadence may lean on."""
+        if len(self.holders) < 2 or self.held_step is None or self.every < 1:
+            return None
+        return self.every if step - self.held_step <= 2 * self.every + 1 else None
 
     def sending(self) -> bool:
         """Whether this rank's last replica is still being put and handed to its holders."""
