@@ -275,22 +275,17 @@ class Storage:
         raise ConnectionError(f"reading {self.child(name)}: it was replaced during each of {tries} reads")
 
     def _s3_get(self, name: str) -> bytes:
-        """One whole GET of `name` (boto3: pyarrow's reads are ranged), its faults sorted as
-        create_exclusive's: a missing key is FileNotFoundError, throttling, 5xx and a lost connection
-        ConnectionError (retried), the rest OSError."""
+        """One whole GET of `name` (boto3: pyarrow's reads are ranged); a missing key is
+        FileNotFoundError, other faults as `_s3_fault` sorts them."""
         bucket, key = self._bucket_key(name)
         try:
             return self._s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
         except botocore_errors().ClientError as e:
-            code = e.response.get("Error", {}).get("Code", "")
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-            if code in ("NoSuchKey", "404") or status == 404:
+            if _s3_code(e) in ("NoSuchKey", "404") or _s3_status(e) == 404:
                 raise FileNotFoundError(f"reading {self.child(name)}: not found") from None
-            if code in ("SlowDown", "Throttling") or status == 429 or status >= 500:
-                raise ConnectionError(f"reading {self.child(name)}: {code or status}") from None
-            raise OSError(f"reading {self.child(name)}: {code or e}") from None
-        except botocore_errors().BotoCoreError as e:  # endpoint unreachable, read timeout, reset
-            raise ConnectionError(f"reading {self.child(name)}: {type(e).__name__}") from None
+            raise _s3_fault(e, f"reading {self.child(name)}") from None
+        except botocore_errors().BotoCoreError as e:
+            raise _s3_fault(e, f"reading {self.child(name)}") from None
 
     @contextmanager
     def read_faults_as_errors(self, flag: str = "--storage-path") -> Iterator[None]:
@@ -370,18 +365,11 @@ class Storage:
             self._s3_client().put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
             return True
         except botocore_errors().ClientError as e:
-            code = e.response.get("Error", {}).get("Code", "")
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-            if code in ("PreconditionFailed", "412"):
+            if _s3_code(e) in ("PreconditionFailed", "412"):
                 return False
-            # A racing create still in flight (409: it wins or fails), throttling, a 5xx: transient
-            # (raychat.faults retries ConnectionError), never "created" and never "taken".
-            if code in ("ConditionalRequestConflict", "SlowDown", "Throttling") or status in (409, 429) \
-                    or status >= 500:
-                raise ConnectionError(f"creating {self.child(name)}: {code or status}") from None
-            raise OSError(f"creating {self.child(name)}: {code or e}") from None
-        except botocore_errors().BotoCoreError as e:  # endpoint unreachable, read timeout, reset
-            raise ConnectionError(f"creating {self.child(name)}: {type(e).__name__}") from None
+            raise _s3_fault(e, f"creating {self.child(name)}") from None  # never "created" nor "taken"
+        except botocore_errors().BotoCoreError as e:
+            raise _s3_fault(e, f"creating {self.child(name)}") from None
 
     def replace_atomically(self, name: str, data: bytes) -> None:
         """Overwrite `name` with `data` so that a reader (`read_replaceable`) sees the old or the new
@@ -525,6 +513,27 @@ class AppendFile:
 Location = str | Path | Storage
 PROBE_BUDGET_S = 20.0  # how long the pre-flight write probe rides out transient faults
 ENDPOINT_BUDGET_S = 10.0  # how long an endpoint that refuses connections may take to come (back) up
+
+
+def _s3_code(e) -> str:
+    return e.response.get("Error", {}).get("Code", "")
+
+
+def _s3_status(e) -> int:
+    return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+
+
+def _s3_fault(e: Exception, doing: str) -> OSError:
+    """A boto3 fault of `doing` as raychat.faults sorts storage faults: a racing conditional write still
+    in flight (409), throttling, a 5xx and an endpoint unreachable, a read timeout or a reset are
+    ConnectionError (transient, retried); any other answer is an OSError."""
+    if not isinstance(e, botocore_errors().ClientError):  # BotoCoreError: no answer at all
+        return ConnectionError(f"{doing}: {type(e).__name__}")
+    code, status = _s3_code(e), _s3_status(e)
+    transient = ("ConditionalRequestConflict", "SlowDown", "Throttling")
+    if code in transient or status in (409, 429) or status >= 500:
+        return ConnectionError(f"{doing}: {code or status}")
+    return OSError(f"{doing}: {code or e}")
 
 
 def botocore_errors():
