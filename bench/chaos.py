@@ -69,6 +69,10 @@ ALL_KINDS = ("kill_worker", "node_loss", "node_swap", "spot_drain", "kill_driver
 # 2 workers throughout
 STEADY_KINDS = ("kill_worker", "node_swap", "kill_driver", "short_horizon", "second_driver")
 SAVE_EVERY, KEEP = 10, 3
+# Replicas every other step: a node swap tests the memory tier, which must then hold a newer state than
+# the checkpoints every 10 steps. The auto interval (Young's, from the copies' cost on these CPUs) comes
+# to tens of steps here, which storage saves every 10 would leave unread (bench.goodput runs auto).
+REPLICATE_EVERY = 2
 MAX_WORKERS = 2
 DRAIN_DEADLINE_S = 5
 COVER_WAIT_S = 60  # a node swap waits at most this long for peer memory to cover the state
@@ -159,8 +163,8 @@ class ChaosRun:
         c = self.ctx
         return [*tiny_run_flags(c.data, c.tok, c.storage, self.spec.name),
                 "--num-iterations", str(steps or self.spec.steps), "--save-every", str(SAVE_EVERY),
-                "--keep-checkpoints", str(KEEP), "--num-workers", f"1:{MAX_WORKERS}",
-                "--resize-check-every", "5", "--max-failures", "-1"]
+                "--replicate-every", str(REPLICATE_EVERY), "--keep-checkpoints", str(KEEP),
+                "--num-workers", f"1:{MAX_WORKERS}", "--resize-check-every", "5", "--max-failures", "-1"]
 
     def env(self) -> dict[str, str]:
         return {"RAY_ADDRESS": self.ctx.cluster.address, "RAYCHAT_TRACE_DIR": str(self.trace)}

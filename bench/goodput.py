@@ -106,8 +106,10 @@ class FaultEveryNMinutes(ChaosRun):
 
     def flags(self, steps: int | None = None) -> list[str]:
         flags = super().flags(steps)
-        at = flags.index("--save-every")
-        return flags[:at] + flags[at + 2:]  # the default: the auto cadence
+        for pinned in ("--save-every", "--replicate-every"):  # the defaults: the auto cadences
+            at = flags.index(pinned)
+            flags = flags[:at] + flags[at + 2:]
+        return flags
 
     def inject_faults(self) -> None:
         """A fault every `every_s` (from the launch, then from each recovery) until the run nears its

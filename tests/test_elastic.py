@@ -164,7 +164,9 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
     def lose_a_node_then_bring_it_back() -> None:
         scrape_world_sizes(ports, gauges)
         step = last_traced_step(trace)
-        if "lost" not in events and step >= 15:
+        # Lost a few steps after a save (every 10), so that peer memory holds a newer step than
+        # storage: a loss landing on a save rightly restores the checkpoint, not what this test checks.
+        if "lost" not in events and step >= 15 and step % 10 in (3, 4, 5):
             c.remove_node(nodes.pop(), allow_graceful=False)  # a preempted node: no drain, no notice
             events["lost"], events["lost_at_step"] = time.monotonic(), step
         elif "lost" in events and "back" not in events and world_sizes_by_attempt(trace)[-1] == 2:
@@ -182,7 +184,8 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
     # replica interval (1) is redone, twice that if a replica was still being sent.
     lost = re.search(r"^Lost 1 worker\(s\): continuing on 2 from step (\d+) \(peer memory\); (\d+) steps "
                      r"redone$", logs, re.M)
-    assert lost and int(lost.group(2)) <= 2, logs[-4000:]
+    restarts = "\n".join(re.findall(r"^(?:Lost|A worker|Resumed) .*$", logs, re.M))
+    assert lost and int(lost.group(2)) <= 2, f"lost at step {events['lost_at_step']}:\n{restarts}"
     assert re.search(rf"^Resumed from peer memory at step {lost.group(1)} \(replicas of 3 workers, now 2\)",
                      logs, re.M), logs[-4000:]
     assert re.search(r"^Grew to 3 workers at step \d+ \(no steps redone\)$", logs, re.M), logs[-4000:]
