@@ -109,7 +109,9 @@ class TrainConfig(Record):
                                  "(more while a slow send skips some) and its restart reads nothing from "
                                  "storage (0 = auto: the interval that loses least to the copies' stalls "
                                  "and to a node lost every 10 minutes, the copies stalling training at "
-                                 "most 2/100 of its time; -1 = off; a one-node "
+                                 "most 2/100 of its time, and at least as often as a --save-every N, "
+                                 "since a replica older than the newest checkpoint is never read; -1 = "
+                                 "off; a one-node "
                                  "group keeps its own node's copy only, for a lost worker process)",
                                  "evaluation")
     core_metric_every: int = _flag(2000, "evaluate nanochat's CORE metric every N steps and at the end "

@@ -96,6 +96,26 @@ def test_auto_interval_loses_least_at_the_planned_loss_rate_within_the_budgets()
     assert "off (--replicate-every -1)" in replica_line(-1)
 
 
+def test_auto_replicates_at_least_as_often_as_an_explicit_save_interval():
+    """A restore reads the newer of memory and storage: replicas rarer than --save-every N are never
+    read, so auto takes N where its own interval is longer."""
+    def auto_interval(saves_every: int) -> tuple[int, list[str]]:
+        lines: list[str] = []
+        replicator = Replicator(None, None, epoch=1, attempt=0, log=lines.append, warn=lines.append,
+                                sends_compete=True, saves_every=saves_every)
+        try:
+            replicator.last_step, replicator.send_cpu_s = 2, 0.02
+            replicator.writer.snapshot_seconds = 0.01
+            replicator.auto_due(3, 0, step_s=0.5)  # sqrt(2 x 0.03 x 600) = 6 s: 12 steps of 0.5 s
+        finally:
+            replicator.close()
+        return replicator.every, lines
+
+    assert auto_interval(0)[0] == 12 and auto_interval(20)[0] == 12 and auto_interval(-1)[0] == 12
+    every, lines = auto_interval(10)
+    assert every == 10 and lines[-1].endswith(", as often as --save-every)"), lines
+
+
 def _rows(step: int) -> torch.Tensor:
     return torch.randint(0, 200, (4, 17), generator=torch.Generator().manual_seed(step))
 

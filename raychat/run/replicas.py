@@ -88,12 +88,16 @@ class Replicator:
     """A rank's side: copy its pieces at a replication step, send them in the background."""
 
     def __init__(self, own: Any, peer: Any | None, epoch: int, attempt: int, log: Callable[[str], None],
-                 warn: Callable[[str], None], every: int = 0, sends_compete: bool = False):
+                 warn: Callable[[str], None], every: int = 0, sends_compete: bool = False,
+                 saves_every: int = 0):
         self.holders = [own] if peer is None else [own, peer]
         self.epoch, self.attempt = epoch, attempt
         self.log, self.warn = log, warn  # rank 0's lines; any rank's warnings
         self.fixed = every > 0  # --replicate-every N; 0: auto, rank 0 chooses from the replicas' costs
         self.every = every
+        # --save-every N (0: auto or none): auto replicates at least that often, since a restore reads
+        # the newer of memory and storage and a replica older than the newest checkpoint is never read.
+        self.saves_every = max(0, saves_every)
         self.sends_compete = sends_compete  # training on the CPUs the send uses (replicas_needed)
         self.writer = AsyncCheckpointWriter()
         self.last_step: int | None = None
@@ -183,12 +187,15 @@ class Replicator:
         send_s = self.send_cpu_s if self.sends_compete else self.writer.write_seconds
         needed = replicas_needed(median_s, self.writer.snapshot_seconds, send_s, self.sends_compete)
         every = choose_interval(needed, self.every)
+        capped = self.saves_every and every > self.saves_every
+        if capped:
+            every = self.saves_every
         if every != self.every:
             copy_s = self.writer.snapshot_seconds
             sent = f"{1000 * send_s:.0f}ms of CPU" if self.sends_compete else f"in {1000 * send_s:.0f}ms"
             self.log(f"Memory replicas: every {every} step(s) (copy {1000 * copy_s:.0f}ms = "
                      f"{100 * copy_s / (every * median_s):.1f}% of training, sent {sent}, "
-                     f"step {1000 * median_s:.0f}ms)")
+                     f"step {1000 * median_s:.0f}ms" + (", as often as --save-every" if capped else "") + ")")
             self.every = every
         return step - self.last_step >= self.every
 

@@ -202,7 +202,8 @@ def _replicator(config: WorkerRunConfig, holders: dict[str, Any], node_of_rank: 
         print(f"raychat: warning: rank {me.rank}: {message}", flush=True)
 
     return Replicator(holders[node_of_rank[me.rank]], holders[peer] if peer is not None else None,
-                      config.lease_epoch, attempt, me.log, warn, every, sends_compete=me.device.type == "cpu")
+                      config.lease_epoch, attempt, me.log, warn, every, sends_compete=me.device.type == "cpu",
+                      saves_every=config.train_config.save_every)
 
 
 def _loader_starter(config: WorkerRunConfig, cfg: TrainConfig, index: CorpusIndex, me: _Rank,
