@@ -14,6 +14,7 @@ from conftest import TEST_BUCKET, s3_uri
 
 from bench.s3_fault_proxy import S3FaultProxy
 from raychat import faults
+from raychat.checkpoint import fence
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.reader import load_checkpoint
 from raychat.checkpoint.saver import AsyncCheckpointWriter
@@ -304,6 +305,29 @@ def test_checkpoint_reads_and_writes_sort_their_faults(proxy, direct_client, s3_
     assert type(failed_write(reset)) is StorageUnavailable
     refused = failed_write(PermissionError(13, "Permission denied"))
     assert isinstance(refused, RaychatError) and "check free space and permissions" in str(refused)
+
+
+def test_a_lease_records_whole_get_rides_out_faults_past_the_clients_retries(proxy, s3_endpoint):
+    """A lease record is read with one GET of boto3's (Storage.read_replaceable), not pyarrow's: its
+    faults are sorted by `_s3_fault`. A body cut short (which boto3 does not retry) and 503s past
+    boto3's own 5 tries are transient, ridden out by the caller's retry in one incident; none is ever
+    taken for a damaged record (which would stop a healthy run) or for a free lease (a missing one)."""
+    run = f"lease-get-{time.time_ns()}"
+    record = fence.LeaseRecord(epoch=3, holder="h" * 40, host="vm", pid=7, started="now", floor=5, beat=9)
+    Storage(s3_uri(s3_endpoint, run)).child(fence.LEASE_DIR).replace_atomically(fence.epoch_file(3),
+                                                                                record.to_json())
+    through_proxy = Storage(s3_uri(proxy.address, run))
+    proxy.inject("cut", method="GET", match="lease", count=1)
+    got = error_of(lambda: through_proxy.child(fence.LEASE_DIR).read_replaceable(fence.epoch_file(3)))
+    assert isinstance(got, ConnectionError) and is_transient(got) and "ResponseStreamingError" in str(got)
+    proxy.inject("cut", method="GET", match="lease", count=1)
+    proxy.inject("slowdown", method="GET", match="lease", count=6)
+    lines: list[str] = []
+    assert fence.read_record(through_proxy, 3, log=lines.append) == record
+    assert proxy.injected["cut"] == 2 and proxy.injected["slowdown"] == 6
+    assert len(lines) == 2 and "recovered" in lines[1], lines
+    missing = error_of(lambda: through_proxy.child(fence.LEASE_DIR).read_replaceable(fence.epoch_file(4)))
+    assert isinstance(missing, FileNotFoundError) and is_missing(missing) and not is_transient(missing)
 
 
 def test_words_in_keys_do_not_classify_and_an_expired_token_is_ridden_out():
