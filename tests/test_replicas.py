@@ -60,11 +60,14 @@ def test_the_storage_cadence_leans_on_peer_memory_only_while_a_peer_holds_a_rece
     peered = Replicator(object(), object(), epoch=1, attempt=0, log=print, warn=print, every=3)
     alone = Replicator(object(), None, epoch=1, attempt=0, log=print, warn=print, every=3)
     try:
-        assert peered.peer_interval(10) is None  # nothing held on the peer node yet
-        peered.held_step = alone.held_step = 10
-        # held within two intervals and a step (a replica in flight, the one before it held): 3
-        assert peered.peer_interval(17) == 3 and peered.peer_interval(18) is None
-        assert alone.peer_interval(11) is None  # a one-node group: its node's copy dies with it
+        assert peered.peer_interval(10, [None, None]) is None  # nothing held on a peer node yet
+        # every rank's newest step held within two intervals and a step (a replica in flight, the one
+        # before it held): 3
+        assert peered.peer_interval(17, [10, 13]) == 3 and peered.peer_interval(18, [13, 10]) is None
+        # rank 0's replicas held, another rank's not (its sends fail or its peer holder hangs): that
+        # rank's state would come from storage, so storage saves may not lean on memory
+        assert peered.peer_interval(14, [13, None]) is None and peered.peer_interval(14, []) is None
+        assert alone.peer_interval(11, [10, 10]) is None  # a one-node group: its node's copy dies with it
     finally:
         peered.close()
         alone.close()

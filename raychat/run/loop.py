@@ -133,11 +133,14 @@ def save(w: Worker, state: LoopState, wait: bool) -> bool:
     if lost is None:
         w.publisher.flush()  # the metrics log holds every step a checkpoint covers, even in a bucket
         w.saver.prepare(state.step)
-    gathered = all_gather_objects((w.loader.state(), uuid.uuid4().hex, lost), w.world_size)
+    held = w.replicator.held_step if w.replicator is not None else None  # the step a peer node holds
+    gathered = all_gather_objects((w.loader.state(), uuid.uuid4().hex, lost, held), w.world_size)
     if gathered[0][2] is not None:
         raise LeaseLost(gathered[0][2])
+    if w.master and w.replicator is not None:
+        w.peer_every = w.replicator.peer_interval(state.step, [h for _, _, _, h in gathered])
     pieces, plain = state_pieces(w.orig_model, w.optimizer, w.world_size, w.rank)
-    cursors = [cursor for cursor, _, _ in gathered]
+    cursors = [cursor for cursor, _, _, _ in gathered]
     merged = merge_cursor(cursors, w.loader.num_units, w.loader.shuffle_seed) if w.master else None
     meta = checkpoint_meta(w, state, merged) if w.master else None
     w.saver.save(state.step, pieces, gathered[0][1], meta, extra=plain, wait=wait)
@@ -353,8 +356,7 @@ def _train(config: WorkerRunConfig) -> None:
         # from (it is in storage already). The writer works in the background; the cadence learns
         # from each save how long it stalled the loop and how long the write took.
         if w.saver.poll() is not None and cadence is not None:
-            peer = w.replicator.peer_interval(state.step) if w.replicator is not None else None
-            cadence.save_written(w.saver.writer.write_seconds, replica_every=peer)
+            cadence.save_written(w.saver.writer.write_seconds, replica_every=w.peer_every)
         if last_step or (state.step != first_step and _save_due(cfg, state.step, signals)):
             with clock("checkpoint") as stall:
                 saved = save(w, state, wait=last_step)

@@ -146,13 +146,14 @@ class Replicator:
         self.writer.submit("memory replicas", replica.pieces, send)
         self.last_step = replica.step
 
-    def peer_interval(self, step: int) -> int | None:
-        """The replica interval while a peer node holds this rank's recent state (its newest step held
-        on another node within two intervals and a step of `step`), else None (a one-node group, no
-        replica held yet, sends failing or skipped): what the storage cadence may lean on."""
-        if len(self.holders) < 2 or self.held_step is None or self.every < 1:
+    def peer_interval(self, step: int, held_steps: list[int | None]) -> int | None:
+        """Rank 0: the replica interval while a peer node holds every rank's recent state (each rank's
+        `held_step`, gathered at a save, within two intervals and a step of `step`), else None (a
+        one-node group, a rank with no replica held yet, or whose sends fail or are skipped): what the
+        storage cadence may lean on."""
+        if len(self.holders) < 2 or self.every < 1 or not held_steps or None in held_steps:
             return None
-        return self.every if step - self.held_step <= 2 * self.every + 1 else None
+        return self.every if step - min(held_steps) <= 2 * self.every + 1 else None
 
     def sending(self) -> bool:
         """Whether this rank's last replica is still being put and handed to its holders."""

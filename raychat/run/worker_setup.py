@@ -101,6 +101,9 @@ class Worker:
     attempt: str = ""  # one id per start of the group (rank 0's): a trace tells redone steps apart
     val_rows: torch.Tensor | None = None  # this rank's share of the fixed validation rows, built at first use
     replicator: Replicator | None = None  # the memory tier's sender (None: --replicate-every -1)
+    # Rank 0: the replica interval at which a peer node held every rank's state at the last save (None:
+    # not all of it), what the storage cadence leans on (Replicator.peer_interval).
+    peer_every: int | None = None
 
     @property
     def master(self) -> bool:
