@@ -3,6 +3,7 @@ with one driver's requests slowed by the fault proxy), a paused holder that stop
 fence that keeps a superseded writer's saves and prunes off the run, and a lineage that no rewind,
 damage or unreadable record can reorder (a property test)."""
 
+import dataclasses
 import os
 import random
 import select
@@ -38,7 +39,7 @@ from raychat.checkpoint.saver import CheckpointSaver
 from raychat.checkpoint.sharded import Piece, save_checkpoint
 from raychat.common import RaychatError
 from raychat.model.gpt import GPTConfig
-from raychat.run.lease import STALE_AFTER_BEATS, RunLease
+from raychat.run.lease import STALE_AFTER_BEATS, RunLease, holder_is_gone
 from raychat.storage import Storage
 
 QUIET = lambda _: None  # noqa: E731
@@ -166,6 +167,40 @@ def test_a_paused_holder_is_taken_over_and_stops_once_it_wakes(tmp_path):
     assert line.startswith("lost: ") and "lease epoch 2" in line and f"pid {os.getpid()}" in line
     # Within about one heartbeat of waking (generous for a loaded machine: the bound is the beat).
     assert stopped_after < 5 * beat + 2.0, stopped_after
+
+
+def test_a_killed_holder_on_this_machine_is_taken_over_without_waiting_out_its_beats(tmp_path):
+    """A driver killed (or crashed) and relaunched on the same machine: its process is gone, so the
+    new one takes the run at once, not after STALE_AFTER_BEATS beats (here 3 x 60 s). A record from
+    another machine, or whose pid is alive, still waits (the paused holder above)."""
+    run = Storage(str(tmp_path / "run"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, run.location, "60"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        record = fence.read_record(run, 1)
+        assert not holder_is_gone(record)  # alive
+        assert not holder_is_gone(dataclasses.replace(record, process=None))  # a record from before
+        holder.kill()
+        holder.wait()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    assert holder_is_gone(record)
+    other_machine = dataclasses.replace(record, process="another-boot/4026531836/" + record.process[-8:])
+    assert not holder_is_gone(other_machine)
+    said: list[str] = []
+    taker = RunLease(run, heartbeat_s=60)
+    started = time.monotonic()
+    taker.acquire(floor=lambda: 0, log=said.append)
+    try:
+        assert time.monotonic() - started < 30 and taker.epoch == 2 and taker.taken_over.epoch == 1
+        assert said == [f"The lease on {run} is held by a driver that is gone (host {record.host}, pid "
+                        f"{record.pid}, since {record.started}, lease epoch 1: no such process on this "
+                        "machine): taking it over"], said
+    finally:
+        taker.release()
 
 
 def test_a_run_handed_over_cleanly_is_not_taken_over(tmp_path):

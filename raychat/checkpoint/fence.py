@@ -60,6 +60,9 @@ class LeaseRecord:
     # holders: a driver that takes the run over ends it. None for a driver outside Ray.
     coordinator: str | None = None
     namespace: str | None = None
+    # Its driver's process as the kernel knows it (raychat.run.lease.process_identity): a driver on
+    # the same machine can tell it is gone without waiting out its heartbeat. None where /proc is not.
+    process: str | None = None
 
     @property
     def bound(self) -> int:

@@ -10,7 +10,10 @@ with the epoch and write nothing once a higher epoch exists.
 A driver that finds the newest epoch not released watches its heartbeat for a few beats on its
 own monotonic clock: if the beat moves, the run has a live driver and the newcomer refuses in one
 line; if not, the holder is gone (killed, node lost, paused) and the next epoch is created. No clock
-is compared across machines. A record that cannot be read is retried, never taken as free.
+is compared across machines. A record that cannot be read is retried, never taken as free. One
+shortcut: a holder that ran on this machine, in this PID namespace, whose process is gone (a driver
+killed or crashed and relaunched on the head node, a job resubmitted after `ray job stop`) is taken
+over at once; a paused process is still there, and waits its beats out like any other.
 
 The holder re-reads the lease at every heartbeat. Once superseded (a higher epoch exists: it was
 paused or cut off for longer than the takeover takes), or unable to confirm its epoch for
@@ -25,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 from raychat.checkpoint import fence
 from raychat.checkpoint.fence import LeaseLost, LeaseRecord
@@ -34,6 +38,41 @@ from raychat.storage import Storage
 
 HEARTBEAT_S = 5.0  # $RAYCHAT_LEASE_HEARTBEAT_S overrides: a takeover waits STALE_AFTER_BEATS of them
 STALE_AFTER_BEATS = 3  # heartbeats a silent lease is watched before it is taken over
+
+
+def _this_machine() -> str | None:
+    """This kernel's boot and this process's PID namespace, where pids mean one process (None
+    without Linux's /proc)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
+def _started_tick(pid: int) -> str | None:
+    """When process `pid` started, in clock ticks since boot (None: no such process, or a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    after_name = stat.rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
+    return None if after_name[0] == "Z" else after_name[19]  # fields 3 (state) and 22 (starttime)
+
+
+def process_identity(pid: int) -> str | None:
+    """`pid` as no other process on any machine is named: the machine (_this_machine) and its start."""
+    machine, started = _this_machine(), _started_tick(pid)
+    return f"{machine}/{started}" if machine and started else None
+
+
+def holder_is_gone(record: LeaseRecord) -> bool:
+    """Whether `record`'s driver ran on this machine and its process is gone (its pid free, or taken
+    by a later process). False whenever that cannot be known: another machine, no /proc, an old record."""
+    if record.process is None or _this_machine() is None:
+        return False
+    machine, _, started = record.process.rpartition("/")
+    return machine == _this_machine() and _started_tick(record.pid) != started
 
 
 class RunLease:
@@ -62,8 +101,12 @@ class RunLease:
         return f"host {record.host}, pid {record.pid}, since {record.started}, lease epoch {record.epoch}"
 
     def _wait_for_silence(self, seen: LeaseRecord, log: Callable[[str], None]) -> LeaseRecord | None:
-        """`seen`, once its holder has been silent for STALE_AFTER_BEATS beats (None if it released
-        the run meanwhile); raise if it beats."""
+        """`seen`, once its holder has been silent for STALE_AFTER_BEATS beats or its process is
+        gone from this machine (None if it released the run meanwhile); raise if it beats."""
+        if holder_is_gone(seen):
+            log(f"The lease on {self.run_dir} is held by a driver that is gone ({self._describe(seen)}: no "
+                "such process on this machine): taking it over")
+            return seen
         log(f"Run {self.run_dir} is held by a driver ({self._describe(seen)}): checking whether it is alive "
             f"({STALE_AFTER_BEATS * self.heartbeat_s:.0f} s)")
         deadline = time.monotonic() + STALE_AFTER_BEATS * self.heartbeat_s
@@ -95,7 +138,8 @@ class RunLease:
         namespace, coordinator = self.coordinator or (None, None)
         record = LeaseRecord(epoch=newest + 1, holder=self._holder, host=socket.gethostname(),
                              pid=os.getpid(), started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), floor=floor(),
-                             coordinator=coordinator, namespace=namespace)
+                             coordinator=coordinator, namespace=namespace,
+                             process=process_identity(os.getpid()))
         if not fence.create_record(self.run_dir, record):
             winner = fence.read_record(self.run_dir, record.epoch, log=log)
             raise RaychatError(f"run {self.run_dir} was just taken by another driver "
