@@ -120,6 +120,18 @@ def test_same_world_size_resume_gives_identical_batches(corpus, ray_session):
         assert torch.equal(torch.from_numpy(got), torch.from_numpy(expected[r]))
 
 
+def test_small_row_groups_fill_the_packers_buffer_in_this_process(corpus, ray_session):
+    """Units of 50 documents: the packer's default buffer (1000) needs 20 reads for its first row. The
+    warm start reads them here (WARM_START_S of reading), not 2 and then Ray Data's pipeline, whose
+    first tasks wait seconds for processes: the first rows are the ones packed in this process."""
+    index, tokenizer_dir = corpus
+    with TrainLoader(index, tokenizer_dir, T, 0, 1) as loader:
+        got, _ = collect(loader, 1)
+        assert loader._reader.warm_reads > WARM_START_READS and loader._reader.warm_reads * 50 >= 1000
+    epochs = [(u, None) for _ in range(3) for u in index.train]
+    assert (got == direct_rows(Tokenizer.load(tokenizer_dir), epochs, len(got), buffer_size=1000)).all()
+
+
 def test_resume_on_one_rank_consumes_every_document_once(corpus, ray_session):
     index, tokenizer_dir = corpus
     epoch_one = {(1, u.index, row) for u in index.train for row in range(u.num_rows)}

@@ -34,6 +34,7 @@ import queue
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING, NoReturn
@@ -67,7 +68,8 @@ FIRST_DATASET_READS = 4   # reads in the first Ray Data dataset; each next one d
 MAX_DATASET_READS = 64    # (a dataset runs ahead to its end; a new one costs a pipeline restart)
 READS_AHEAD = 4           # tokenized reads queued in this process ahead of the packer
 WARM_START_DOCS = 2048    # documents tokenized in this process before Ray Data takes over,
-WARM_START_READS = 2      # in at most this many reads (a read runs single-threaded either way)
+WARM_START_READS = 2      # in at most this many reads (a read runs single-threaded either way),
+WARM_START_S = 1.0        # or more while reading them has taken less than this (small row groups)
 WAIT_WARNING_S = 60       # say so when the packer has waited this long for a read
 DATA_TIMEOUT_S = float(os.environ.get("RAYCHAT_DATA_TIMEOUT_S", "600"))  # then fail the attempt
 NODE_ID_LABEL = "ray.io/node-id"  # the label Ray puts on every node (placement_group.NODE_ID_LABEL_KEY)
@@ -191,10 +193,19 @@ class SourceReader:
         many ranks owes far more: Ray Data reads the rest), as Ray Data would read them, but without
         waiting for its first tasks' processes to start on a restarted group's node. The first step
         after a restart waited 11-12 s for its rows (bench.goodput node_swap); a resumed loader on a
-        fresh local Ray had its first rows after 7.8-9.1 s, 3.8-5.2 s with its 13 owed reads read here."""
+        fresh local Ray had its first rows after 7.8-9.1 s, 3.8-5.2 s with its 13 owed reads read here.
+
+        Units of a few dozen documents (a corpus written in small row groups) hold far fewer than the
+        packer's buffer in two reads: the warm start goes on while its reads have taken less than
+        WARM_START_S (the time blocked on a full queue not counted), else step 0 waited for Ray Data's
+        pipeline (2.75 s of a tiny run's 3.8 s step 0, 30-document units)."""
         k = docs = 0
-        while docs < WARM_START_DOCS and k < self._owed_reads + WARM_START_READS:
+        reading_s = 0.0
+        while docs < WARM_START_DOCS and (k < self._owed_reads + WARM_START_READS
+                                          or reading_s < WARM_START_S):
+            started = time.monotonic()
             table = _tokenize_reads([self._read(k)], self._tokenizer_dir, self._location)
+            reading_s += time.monotonic() - started
             k += 1
             self.warm_reads = k  # before its documents are handed over: a consumer of them sees it
             for read, docs_of_read in _split_by_read(table):
