@@ -180,10 +180,12 @@ class Replicator:
         from the last finished replica's copy and send and the median of recent steps (`step_s`: the
         last one); a change is logged. (A send still in flight at the step's all-reduce skips the step
         on every rank: ElasticSignals.)"""
-        if step_s > 0:
+        if step_s > 0 and step > first_step + 1:  # the attempt's first step is its warm-up: not a sample
             self._steps.append(step_s)
         if self.last_step is None:
             return step >= first_step + PROBE_STEPS
+        if not self._steps or (not self.every and not self.writer.done()):  # the probe's send, still
+            return False                                                  # going, has no cost yet
         median_s = statistics.median(self._steps)
         send_s = self.send_cpu_s if self.sends_compete else self.writer.write_seconds
         needed = replicas_needed(median_s, self.writer.snapshot_seconds, send_s, self.sends_compete)
