@@ -39,6 +39,7 @@ from raychat.checkpoint.saver import CheckpointSaver
 from raychat.checkpoint.sharded import Piece, save_checkpoint
 from raychat.common import RaychatError
 from raychat.model.gpt import GPTConfig
+from raychat.run import lease
 from raychat.run.lease import STALE_AFTER_BEATS, RunLease, holder_is_gone
 from raychat.storage import Storage
 
@@ -169,7 +170,7 @@ def test_a_paused_holder_is_taken_over_and_stops_once_it_wakes(tmp_path):
     assert stopped_after < 5 * beat + 2.0, stopped_after
 
 
-def test_a_killed_holder_on_this_machine_is_taken_over_without_waiting_out_its_beats(tmp_path):
+def test_a_killed_holder_on_this_machine_is_taken_over_without_waiting_out_its_beats(tmp_path, monkeypatch):
     """A driver killed (or crashed) and relaunched on the same machine: its process is gone, so the
     new one takes the run at once, not after STALE_AFTER_BEATS beats (here 3 x 60 s). A record from
     another machine, or whose pid is alive, still waits (the paused holder above)."""
@@ -180,6 +181,10 @@ def test_a_killed_holder_on_this_machine_is_taken_over_without_waiting_out_its_b
         assert holder.stdout.readline().strip() == "held"
         record = fence.read_record(run, 1)
         assert not holder_is_gone(record)  # alive
+        # alive, and its /proc entry unreadable to this driver (hidepid, another user's): not gone
+        with monkeypatch.context() as m:
+            m.setattr(lease, "_state_and_start", lambda pid: None)
+            assert not holder_is_gone(record)
         assert not holder_is_gone(dataclasses.replace(record, process=None))  # a record from before
         holder.kill()
         holder.wait()
@@ -190,6 +195,8 @@ def test_a_killed_holder_on_this_machine_is_taken_over_without_waiting_out_its_b
     assert holder_is_gone(record)
     other_machine = dataclasses.replace(record, process="another-boot/4026531836/" + record.process[-8:])
     assert not holder_is_gone(other_machine)
+    # another host that shares this machine's boot id (a VM cloned from one snapshot) may be alive
+    assert not holder_is_gone(dataclasses.replace(record, host=record.host + "-clone"))
     said: list[str] = []
     taker = RunLease(run, heartbeat_s=60)
     started = time.monotonic()
@@ -197,8 +204,8 @@ def test_a_killed_holder_on_this_machine_is_taken_over_without_waiting_out_its_b
     try:
         assert time.monotonic() - started < 30 and taker.epoch == 2 and taker.taken_over.epoch == 1
         assert said == [f"The lease on {run} is held by a driver that is gone (host {record.host}, pid "
-                        f"{record.pid}, since {record.started}, lease epoch 1: no such process on this "
-                        "machine): taking it over"], said
+                        f"{record.pid}, since {record.started}, lease epoch 1: its process on this machine "
+                        "has ended): taking it over"], said
     finally:
         taker.release()
 

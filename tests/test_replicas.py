@@ -67,6 +67,9 @@ def test_the_storage_cadence_leans_on_peer_memory_only_while_a_peer_holds_a_rece
         # rank 0's replicas held, another rank's not (its sends fail or its peer holder hangs): that
         # rank's state would come from storage, so storage saves may not lean on memory
         assert peered.peer_interval(14, [13, None]) is None and peered.peer_interval(14, []) is None
+        # a holder keeps two steps per rank: newest 13 and 10 share step 10 (a whole set), 13 and 9
+        # (holding 13, 10 and 9, 6) share none
+        assert peered.peer_interval(14, [13, 10]) == 3 and peered.peer_interval(14, [13, 9]) is None
         assert alone.peer_interval(11, [10, 10]) is None  # a one-node group: its node's copy dies with it
     finally:
         peered.close()
@@ -101,22 +104,30 @@ def test_auto_interval_loses_least_at_the_planned_loss_rate_within_the_budgets()
 
 def test_auto_replicates_at_least_as_often_as_an_explicit_save_interval():
     """A restore reads the newer of memory and storage: replicas rarer than --save-every N are never
-    read, so auto takes N where its own interval is longer."""
-    def auto_interval(saves_every: int) -> tuple[int, list[str]]:
+    read, so auto takes N where its own interval is longer, but never so often that the copies pass
+    their budget (2% of training): a faster restore is not worth that."""
+    def auto_interval(saves_every: int, copy_s: float = 0.01, send_s: float = 0.02,
+                      step_s: float = 0.5) -> tuple[int, list[str]]:
         lines: list[str] = []
         replicator = Replicator(None, None, epoch=1, attempt=0, log=lines.append, warn=lines.append,
                                 sends_compete=True, saves_every=saves_every)
         try:
-            replicator.last_step, replicator.send_cpu_s = 2, 0.02
-            replicator.writer.snapshot_seconds = 0.01
-            replicator.auto_due(3, 0, step_s=0.5)  # sqrt(2 x 0.03 x 600) = 6 s: 12 steps of 0.5 s
+            replicator.last_step, replicator.send_cpu_s = 2, send_s
+            replicator.writer.snapshot_seconds = copy_s
+            replicator.auto_due(3, 0, step_s=step_s)
         finally:
             replicator.close()
         return replicator.every, lines
 
+    # sqrt(2 x 0.03 x 600) = 6 s: 12 steps of 0.5 s (the budget: 0.03 / 0.02 = 1.5 s, 3 steps)
     assert auto_interval(0)[0] == 12 and auto_interval(20)[0] == 12 and auto_interval(-1)[0] == 12
     every, lines = auto_interval(10)
     assert every == 10 and lines[-1].endswith(", as often as --save-every)"), lines
+    # A 200 ms copy and a 100 ms send beside 300 ms steps: the budget needs 0.3 / 0.02 = 15 s, 50 steps,
+    # whatever --save-every 1 asks (Young's own: sqrt(2 x 0.3 x 600) = 19 s, 64 steps).
+    assert auto_interval(0, copy_s=0.2, send_s=0.1, step_s=0.3)[0] == 64
+    every, lines = auto_interval(1, copy_s=0.2, send_s=0.1, step_s=0.3)
+    assert every == 50 and "--save-every" not in lines[-1], lines
 
 
 def _rows(step: int) -> torch.Tensor:

@@ -50,29 +50,40 @@ def _this_machine() -> str | None:
         return None
 
 
-def _started_tick(pid: int) -> str | None:
-    """When process `pid` started, in clock ticks since boot (None: no such process, or a zombie)."""
+def _state_and_start(pid: int) -> tuple[str, str] | None:
+    """Process `pid`'s state letter and start time in clock ticks since boot, from /proc (None: it
+    cannot be read, which says nothing of whether the process lives: hidepid, another user's)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     after_name = stat.rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
-    return None if after_name[0] == "Z" else after_name[19]  # fields 3 (state) and 22 (starttime)
+    return after_name[0], after_name[19]  # fields 3 (state) and 22 (starttime)
 
 
 def process_identity(pid: int) -> str | None:
     """`pid` as no other process on any machine is named: the machine (_this_machine) and its start."""
-    machine, started = _this_machine(), _started_tick(pid)
-    return f"{machine}/{started}" if machine and started else None
+    machine, stat = _this_machine(), _state_and_start(pid)
+    return f"{machine}/{stat[1]}" if machine and stat else None
 
 
 def holder_is_gone(record: LeaseRecord) -> bool:
-    """Whether `record`'s driver ran on this machine and its process is gone (its pid free, or taken
-    by a later process). False whenever that cannot be known: another machine, no /proc, an old record."""
-    if record.process is None or _this_machine() is None:
+    """Whether `record`'s driver ran on this host and machine and its process has ended (its pid free,
+    a zombie, or taken by a later process). False whenever that cannot be known for sure: another
+    host or machine, no /proc, a process this one may not see, an old record."""
+    if record.process is None or record.host != socket.gethostname() or _this_machine() is None:
         return False
     machine, _, started = record.process.rpartition("/")
-    return machine == _this_machine() and _started_tick(record.pid) != started
+    if machine != _this_machine():
+        return False
+    try:
+        os.kill(record.pid, 0)  # asks the kernel, which /proc's hidepid does not hide
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # a process of another user's holds that pid: whose, /proc may not say
+    stat = _state_and_start(record.pid)
+    return stat is not None and (stat[0] == "Z" or stat[1] != started)
 
 
 class RunLease:
@@ -104,8 +115,8 @@ class RunLease:
         """`seen`, once its holder has been silent for STALE_AFTER_BEATS beats or its process is
         gone from this machine (None if it released the run meanwhile); raise if it beats."""
         if holder_is_gone(seen):
-            log(f"The lease on {self.run_dir} is held by a driver that is gone ({self._describe(seen)}: no "
-                "such process on this machine): taking it over")
+            log(f"The lease on {self.run_dir} is held by a driver that is gone ({self._describe(seen)}: its "
+                "process on this machine has ended): taking it over")
             return seen
         log(f"Run {self.run_dir} is held by a driver ({self._describe(seen)}): checking whether it is alive "
             f"({STALE_AFTER_BEATS * self.heartbeat_s:.0f} s)")

@@ -43,7 +43,7 @@ from raychat.checkpoint.saver import AsyncCheckpointWriter
 from raychat.checkpoint.sharded import Piece
 from raychat.data.cursor import Cursor, merge_cursor
 from raychat.model.gpt import GPTConfig
-from raychat.run.cadence import REPLICA_STALL_BUDGET, WRITER_DUTY, least_loss_s
+from raychat.run.cadence import REPLICA_KEEP_STEPS, REPLICA_STALL_BUDGET, WRITER_DUTY, least_loss_s
 from raychat.run.holders import HOLDER_CALL_S, Replica
 
 T = TypeVar("T")
@@ -69,11 +69,16 @@ def replicas_needed(step_s: float, stall_s: float, send_s: float, sends_compete:
     idle half the time, as the checkpoint writer's. Where training itself runs on the host's CPUs
     (`sends_compete`), the send's CPU time is taken from training: copy and send together are the cost.
     A copy that fits in the step's shadow (a GPU's) is nearly free: every step or two."""
-    step_s = max(step_s, 1e-6)
     cost_s = stall_s + send_s if sends_compete else stall_s
-    by_budget = cost_s / REPLICA_STALL_BUDGET if sends_compete else max(stall_s / REPLICA_STALL_BUDGET,
-                                                                         send_s / WRITER_DUTY)
-    return max(by_budget, least_loss_s(cost_s)) / step_s
+    return max(budget_interval_s(stall_s, send_s, sends_compete), least_loss_s(cost_s)) / max(step_s, 1e-6)
+
+
+def budget_interval_s(stall_s: float, send_s: float, sends_compete: bool = False) -> float:
+    """The least time between replicas that keeps the copies within REPLICA_STALL_BUDGET of training
+    and the background send idle half the time (see replicas_needed)."""
+    if sends_compete:
+        return (stall_s + send_s) / REPLICA_STALL_BUDGET
+    return max(stall_s / REPLICA_STALL_BUDGET, send_s / WRITER_DUTY)
 
 
 def choose_interval(needed: float, current: int = 0) -> int:
@@ -153,7 +158,10 @@ class Replicator:
         storage cadence may lean on."""
         if len(self.holders) < 2 or self.every < 1 or not held_steps or None in held_steps:
             return None
-        return self.every if step - min(held_steps) <= 2 * self.every + 1 else None
+        # A holder keeps each rank's newest REPLICA_KEEP_STEPS: a whole set exists only while every
+        # rank's newest is within that window of the others' (a rank whose sends fail falls behind).
+        whole = max(held_steps) - min(held_steps) <= (REPLICA_KEEP_STEPS - 1) * self.every
+        return self.every if whole and step - min(held_steps) <= 2 * self.every + 1 else None
 
     def sending(self) -> bool:
         """Whether this rank's last replica is still being put and handed to its holders."""
@@ -190,9 +198,14 @@ class Replicator:
         send_s = self.send_cpu_s if self.sends_compete else self.writer.write_seconds
         needed = replicas_needed(median_s, self.writer.snapshot_seconds, send_s, self.sends_compete)
         every = choose_interval(needed, self.every)
-        capped = self.saves_every and every > self.saves_every
+        # An explicit --save-every N caps the interval, within the budgets: copies stalling training
+        # more than REPLICA_STALL_BUDGET would cost more than a faster restore is worth.
+        floor = math.ceil(round(budget_interval_s(self.writer.snapshot_seconds, send_s, self.sends_compete)
+                                / max(median_s, 1e-6), 6))
+        capped = self.saves_every and every > max(self.saves_every, floor)
         if capped:
-            every = self.saves_every
+            every = max(self.saves_every, floor)
+            capped = every == self.saves_every
         if every != self.every:
             copy_s = self.writer.snapshot_seconds
             sent = f"{1000 * send_s:.0f}ms of CPU" if self.sends_compete else f"in {1000 * send_s:.0f}ms"
