@@ -71,10 +71,11 @@ def holder_is_gone(record: LeaseRecord) -> bool:
     """Whether `record`'s driver ran on this host and machine and its process has ended (its pid free,
     a zombie, or taken by a later process). False whenever that cannot be known for sure: another
     host or machine, no /proc, a process this one may not see, an old record."""
-    if record.process is None or record.host != socket.gethostname() or _this_machine() is None:
+    here = _this_machine()
+    if record.process is None or record.host != socket.gethostname() or here is None:
         return False
     machine, _, started = record.process.rpartition("/")
-    if machine != _this_machine():
+    if machine != here:
         return False
     try:
         os.kill(record.pid, 0)  # asks the kernel, which /proc's hidepid does not hide

@@ -62,23 +62,22 @@ def peer_nodes(node_of_rank: list[str]) -> list[str | None]:
     return [ring[(ring.index(node) + 1) % len(ring)] for node in node_of_rank]
 
 
-def replicas_needed(step_s: float, stall_s: float, send_s: float, sends_compete: bool = False) -> float:
+def replicas_needed(step_s: float, stall_s: float, send_s: float, sends_compete: bool = False,
+                    at_most: int = 0) -> float:
     """Auto --replicate-every, unrounded: the interval that loses least to the copies' stalls and to the
     steps a node lost without notice redoes (`least_loss_s`, at the loss rate auto plans for), but no
     fewer steps than keep the copy within REPLICA_STALL_BUDGET of training and the background send
     idle half the time, as the checkpoint writer's. Where training itself runs on the host's CPUs
     (`sends_compete`), the send's CPU time is taken from training: copy and send together are the cost.
-    A copy that fits in the step's shadow (a GPU's) is nearly free: every step or two."""
+    A copy that fits in the step's shadow (a GPU's) is nearly free: every step or two. `at_most` (an
+    explicit --save-every N) caps the least-loss interval, never the budgets: a restore reads the newer
+    of memory and storage, so a replica older than the newest checkpoint is never read."""
+    step_s = max(step_s, 1e-6)
     cost_s = stall_s + send_s if sends_compete else stall_s
-    return max(budget_interval_s(stall_s, send_s, sends_compete), least_loss_s(cost_s)) / max(step_s, 1e-6)
-
-
-def budget_interval_s(stall_s: float, send_s: float, sends_compete: bool = False) -> float:
-    """The least time between replicas that keeps the copies within REPLICA_STALL_BUDGET of training
-    and the background send idle half the time (see replicas_needed)."""
-    if sends_compete:
-        return (stall_s + send_s) / REPLICA_STALL_BUDGET
-    return max(stall_s / REPLICA_STALL_BUDGET, send_s / WRITER_DUTY)
+    by_budget = cost_s / REPLICA_STALL_BUDGET if sends_compete else max(stall_s / REPLICA_STALL_BUDGET,
+                                                                         send_s / WRITER_DUTY)
+    least_loss = least_loss_s(cost_s) / step_s
+    return max(by_budget / step_s, min(least_loss, at_most) if at_most else least_loss)
 
 
 def choose_interval(needed: float, current: int = 0) -> int:
@@ -86,7 +85,7 @@ def choose_interval(needed: float, current: int = 0) -> int:
     CHANGE of it (measurements wobble around a boundary), else the least whole number of steps."""
     if current and needed / CHANGE <= current <= math.ceil(needed * CHANGE):
         return current
-    return max(1, math.ceil(needed))
+    return max(1, math.ceil(round(needed, 6)))  # (15 s / 0.3 s is 50.000000000000014 in floats)
 
 
 class Replicator:
@@ -100,9 +99,7 @@ class Replicator:
         self.log, self.warn = log, warn  # rank 0's lines; any rank's warnings
         self.fixed = every > 0  # --replicate-every N; 0: auto, rank 0 chooses from the replicas' costs
         self.every = every
-        # --save-every N (0: auto or none): auto replicates at least that often, since a restore reads
-        # the newer of memory and storage and a replica older than the newest checkpoint is never read.
-        self.saves_every = max(0, saves_every)
+        self.saves_every = max(0, saves_every)  # --save-every N caps auto (replicas_needed's at_most)
         self.sends_compete = sends_compete  # training on the CPUs the send uses (replicas_needed)
         self.writer = AsyncCheckpointWriter()
         self.last_step: int | None = None
@@ -196,16 +193,10 @@ class Replicator:
             return False                                                  # going, has no cost yet
         median_s = statistics.median(self._steps)
         send_s = self.send_cpu_s if self.sends_compete else self.writer.write_seconds
-        needed = replicas_needed(median_s, self.writer.snapshot_seconds, send_s, self.sends_compete)
+        needed = replicas_needed(median_s, self.writer.snapshot_seconds, send_s, self.sends_compete,
+                                 at_most=self.saves_every)
         every = choose_interval(needed, self.every)
-        # An explicit --save-every N caps the interval, within the budgets: copies stalling training
-        # more than REPLICA_STALL_BUDGET would cost more than a faster restore is worth.
-        floor = math.ceil(round(budget_interval_s(self.writer.snapshot_seconds, send_s, self.sends_compete)
-                                / max(median_s, 1e-6), 6))
-        capped = self.saves_every and every > max(self.saves_every, floor)
-        if capped:
-            every = max(self.saves_every, floor)
-            capped = every == self.saves_every
+        capped = every == self.saves_every
         if every != self.every:
             copy_s = self.writer.snapshot_seconds
             sent = f"{1000 * send_s:.0f}ms of CPU" if self.sends_compete else f"in {1000 * send_s:.0f}ms"
