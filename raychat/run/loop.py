@@ -254,13 +254,15 @@ def report(w: Worker, state: LoopState, metrics: dict, last_step: bool, coordina
 
 def _trace_consumed(w: Worker, step: int) -> None:
     """Test hook ($RAYCHAT_TRACE_DIR): append the documents this rank trained on at this step, and the
-    newest step of its state that its memory-tier holders took (None: none yet this attempt)."""
+    newest step of its state that its memory-tier holders took: a peer node's ("replica") and all of
+    them, its own node's included ("sent"; None: none yet this attempt)."""
     path = Path(w.trace_dir) / f"{w.attempt}_rank{w.rank}_{os.getpid()}.jsonl"
     with path.open("a") as f:
         ids = [list(i) for i in w.loader.consumed_doc_ids()]
         held = w.replicator.held_step if w.replicator is not None else None
+        sent = w.replicator.sent_step if w.replicator is not None else None
         f.write(json.dumps({"attempt": w.attempt, "step": step, "rank": w.rank, "world_size": w.world_size,
-                            "pid": os.getpid(), "ids": ids, "replica": held}) + "\n")
+                            "pid": os.getpid(), "ids": ids, "replica": held, "sent": sent}) + "\n")
 
 
 def _due(step: int, every: int) -> bool:

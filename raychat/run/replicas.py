@@ -103,7 +103,7 @@ class Replicator:
         self.sends_compete = sends_compete  # training on the CPUs the send uses (replicas_needed)
         self.writer = AsyncCheckpointWriter()
         self.last_step: int | None = None
-        self.held_step: int | None = None  # the newest step a peer node's holder took too (send's thread)
+        self.sent_step: int | None = None  # the newest step every holder of this rank took (send's thread)
         self.failed: str | None = None  # the last send's fault: a lost holder is said, never raised
         self.skipping_since: int | None = None  # the first step skipped while a send was in flight
         # The last send's CPU time in its thread (serializing, copying into the object store): what
@@ -138,8 +138,7 @@ class Replicator:
                     return
                 ref = ray.put(dataclasses.replace(replica, pieces=snapshot))
                 ray.get([h.put.remote(ref) for h in self.holders], timeout=HOLDER_CALL_S)
-                if len(self.holders) > 1:  # what survives the node (a one-node group keeps its own copy only)
-                    self.held_step = replica.step
+                self.sent_step = replica.step
             except Exception as e:  # noqa: BLE001 -- any fault of a copy is said, none ends training
                 self.failed = f"{type(e).__name__}: {e}".splitlines()[0]
             finally:
@@ -147,6 +146,12 @@ class Replicator:
 
         self.writer.submit("memory replicas", replica.pieces, send)
         self.last_step = replica.step
+
+    @property
+    def held_step(self) -> int | None:
+        """The newest step a peer node's holder took too: what survives this node (a one-node group
+        keeps its own node's copy only: None)."""
+        return self.sent_step if len(self.holders) > 1 else None
 
     def peer_interval(self, step: int, held_steps: list[int | None]) -> int | None:
         """Rank 0: the replica interval while a peer node holds every rank's recent state (each rank's
