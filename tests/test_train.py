@@ -2,7 +2,6 @@
 2 CPU workers with gloo, a tiny real-text corpus, runs stored on local disk and in a real S3 API.
 Killed workers, resizes, resumes, bad input."""
 
-import json
 import os
 import re
 import shutil
@@ -27,7 +26,7 @@ from helpers import (
     tiny_flags,
 )
 from run_output import foreign_lines
-from trace_audit import assert_epoch1_exactly_once, attempts_by_step
+from trace_audit import assert_epoch1_exactly_once, attempts_by_step, latest_by_rank, whole_replica_step
 
 from raychat.checkpoint.format import damage, list_checkpoints, rank_file, read_meta
 from raychat.checkpoint.reader import load_checkpoint
@@ -135,16 +134,10 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
         victim, whole = None, None
         deadline = time.time() + 300
         while victim is None and time.time() < deadline and crashed.poll() is None:
-            last = {}
-            for path in trace.glob("*_rank*_*.jsonl"):
-                lines = path.read_text().split("\n")[:-1]  # whole lines only: one may be being written
-                if lines:
-                    record = json.loads(lines[-1])
-                    last[record["rank"]] = record
-            sent = [last[r]["sent"] for r in (0, 1) if r in last]
-            if len(sent) == 2 and None not in sent and last[1]["step"] > 9 \
-                    and min(sent) >= last[1]["step"] // 6 * 6:
-                victim, whole = last[1]["pid"], min(sent)
+            last = latest_by_rank(trace)
+            held = whole_replica_step(last)
+            if held is not None and last[1]["step"] > 9 and held >= last[1]["step"] // 6 * 6:
+                victim, whole = last[1]["pid"], held
             time.sleep(0.05)
         assert victim is not None, "rank 1 never passed step 9 with a replica as new as the newest save"
         os.kill(victim, signal.SIGKILL)

@@ -39,6 +39,30 @@ def world_sizes_by_attempt(trace_dir: Path) -> list[int]:
     return [sizes[a] for a in sorted(sizes, key=float)]
 
 
+def latest_by_rank(trace_dir: Path) -> dict[int, dict]:
+    """Each rank's newest record of the newest attempt, from whole lines only (a rank may be writing
+    one): where a running group is, read while it runs."""
+    newest: dict[int, dict] = {}
+    for path in trace_dir.glob("*.jsonl"):
+        lines = path.read_text().split("\n")[:-1]
+        if lines:
+            rec = json.loads(lines[-1])
+            kept = newest.get(rec["rank"])
+            if kept is None or (float(rec["attempt"]), rec["step"]) > (float(kept["attempt"]), kept["step"]):
+                newest[rec["rank"]] = rec
+    attempt = max((r["attempt"] for r in newest.values()), key=float, default=None)
+    return {rank: r for rank, r in newest.items() if r["attempt"] == attempt}
+
+
+def whole_replica_step(latest: dict[int, dict]) -> int | None:
+    """The newest step of which every rank's memory-tier holders (its own node's and its peer node's)
+    took the replica, from `latest_by_rank`: a set a restore may choose (None: none yet)."""
+    sent = [r.get("sent") for r in latest.values()]
+    if not sent or None in sent or len(sent) < latest[min(latest)]["world_size"]:
+        return None
+    return min(sent)
+
+
 def assert_epoch1_exactly_once(trace_dir: Path, data_dir: Path, cursor: "Cursor") -> int:  # noqa: F821
     """No document trained twice; every epoch-1 document trained once or still in flight in the
     final cursor (a long document can wait in the packer's buffer), none lost. Returns how many
