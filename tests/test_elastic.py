@@ -21,6 +21,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from trace_audit import (
     assert_epoch1_exactly_once,
     attempts_by_step,
+    last_traced_step,
     latest_by_rank,
     read_trace,
     whole_replica_step,
@@ -151,11 +152,6 @@ def run_job(cluster, flags: list[str], trace: Path, on_tick: Callable[[], None],
         on_tick()
         time.sleep(tick_s)
     return status, client.get_job_logs(job)
-
-
-def last_traced_step(trace: Path) -> int:
-    steps = [json.loads(line)["step"] for p in trace.glob("*.jsonl") for line in p.read_text().splitlines()]
-    return max(steps, default=-1)
 
 
 def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):

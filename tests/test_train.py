@@ -127,19 +127,21 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=ray_session.driver_env(RAYCHAT_TRACE_DIR=str(trace)))
     try:
-        # Kill rank 1 for real past step 9 once both ranks' holders took a replica at least as new as
-        # the newest save (saves every 6, replicas every 2): peer memory then holds a whole set the
-        # restore prefers to the checkpoint. (Killed while the save's replica was still being sent,
-        # the group rightly resumes from the checkpoint: a kill timed by steps alone did, now and then.)
-        victim, whole = None, None
+        # Kill rank 1 for real 1-3 steps after a save (every 6) past step 9 and well before the end,
+        # once every rank's holders took a replica at least as new as that save (replicas every 2):
+        # peer memory then holds a whole set the restore prefers to the checkpoint. (Killed while the
+        # save's replica was still being sent, the group rightly resumes from the checkpoint: a kill
+        # timed by steps alone did, now and then.)
+        victim = None
         deadline = time.time() + 300
         while victim is None and time.time() < deadline and crashed.poll() is None:
             last = latest_by_rank(trace)
-            held = whole_replica_step(last)
-            if held is not None and last[1]["step"] > 9 and held >= last[1]["step"] // 6 * 6:
-                victim, whole = last[1]["pid"], held
-            time.sleep(0.05)
-        assert victim is not None, "rank 1 never passed step 9 with a replica as new as the newest save"
+            whole, step = whole_replica_step(last), last.get(1, {}).get("step", -1)
+            if whole is not None and 9 < step <= 48 and step % 6 in (1, 2, 3) and whole >= step // 6 * 6:
+                victim = last[1]["pid"]
+            else:
+                time.sleep(0.05)
+        assert victim is not None, "rank 1 never trained 1-3 steps past a save whose replica was whole"
         os.kill(victim, signal.SIGKILL)
         crashed_out, _ = crashed.communicate(timeout=400)
         crashed_wall = time.time() - launched
@@ -160,14 +162,16 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
     assert re.search(r"^Ray: joined the cluster at \S+; dashboard http", crashed_out, re.M)
     # The restarted group resumed from the replicas its node's holder kept (raychat.run.replicas: the
     # killed process's copy outlived it), not from a checkpoint: a replica step (every 2), no older
-    # than the set both ranks' holders had taken when the kill was chosen. From the trace: worker
-    # output reaches the driver best-effort.
+    # than the newest set every rank's holders had taken when the first attempt's ranks last traced
+    # a step (its holders keep that one). From the trace: worker output reaches the driver best-effort.
     by_step = attempts_by_step(trace)
     attempts = sorted({a for s in by_step.values() for a in s}, key=float)
     assert len(attempts) == 2, attempts
     last_killed = max(step for step, s in by_step.items() if attempts[0] in s)
     resumed = min(step for step, s in by_step.items() if attempts[1] in s)
-    assert resumed % 2 == 0 and whole <= resumed <= last_killed + 1, (resumed, whole, last_killed)
+    floor = whole_replica_step(latest_by_rank(trace, attempts[0]))
+    assert resumed % 2 == 0 and floor is not None and floor <= resumed <= last_killed + 1, (resumed, floor,
+                                                                                          last_killed)
     # The replica holders ended with their drivers' runs: no memory is left held for them.
     from ray.util.state import list_actors
 

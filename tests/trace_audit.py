@@ -7,51 +7,56 @@ from pathlib import Path
 from bench.chaos_audit import expand, owed_documents  # noqa: F401 (expand: for the tests)
 
 
+def trace_records(path: Path) -> list[dict]:
+    """One rank's trace file, whole lines only: a rank may be writing its last line as it is read, or
+    have been killed while writing it."""
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
+
+
+def _all_records(trace_dir: Path) -> list[dict]:
+    return [rec for path in sorted(trace_dir.glob("*.jsonl")) for rec in trace_records(path)]
+
+
 def read_trace(trace_dir: Path) -> dict[int, list[tuple[int, int, int]]]:
     """step -> doc ids trained at that step (all ranks), keeping for each step the latest attempt
     that ran it: a step redone after a restore supersedes the lost attempt's records."""
     by_step: dict[int, dict[str, list]] = {}
-    for path in sorted(trace_dir.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            by_step.setdefault(rec["step"], {}).setdefault(rec["attempt"], []).extend(
-                tuple(i) for i in rec["ids"])
+    for rec in _all_records(trace_dir):
+        ids = by_step.setdefault(rec["step"], {}).setdefault(rec["attempt"], [])
+        ids.extend(tuple(i) for i in rec["ids"])
     return {step: attempts[max(attempts, key=float)] for step, attempts in by_step.items()}
 
 
 def attempts_by_step(trace_dir: Path) -> dict[int, set[str]]:
     """step -> the attempts (worker-group starts) that trained it; more than one means redone."""
     seen: dict[int, set[str]] = {}
-    for path in trace_dir.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            seen.setdefault(rec["step"], set()).add(rec["attempt"])
+    for rec in _all_records(trace_dir):
+        seen.setdefault(rec["step"], set()).add(rec["attempt"])
     return seen
 
 
 def world_sizes_by_attempt(trace_dir: Path) -> list[int]:
     """The world size of each attempt, in order of the attempts' starts."""
-    sizes: dict[str, int] = {}
-    for path in trace_dir.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            sizes[rec["attempt"]] = rec["world_size"]
+    sizes = {rec["attempt"]: rec["world_size"] for rec in _all_records(trace_dir)}
     return [sizes[a] for a in sorted(sizes, key=float)]
 
 
-def latest_by_rank(trace_dir: Path) -> dict[int, dict]:
-    """Each rank's newest record of the newest attempt, from whole lines only (a rank may be writing
-    one): where a running group is, read while it runs."""
+def last_traced_step(trace_dir: Path) -> int:
+    """The highest step any rank of any attempt has traced so far (-1: none)."""
+    return max((rec["step"] for rec in _all_records(trace_dir)), default=-1)
+
+
+def latest_by_rank(trace_dir: Path, attempt: str | None = None) -> dict[int, dict]:
+    """Each rank's newest record of `attempt` (default: the newest attempt so far): where a running
+    group is, read while it runs, or where an ended attempt's ranks stopped."""
+    last = [records[-1] for path in trace_dir.glob("*.jsonl") if (records := trace_records(path))]
+    attempt = attempt or max((r["attempt"] for r in last), key=float, default=None)
     newest: dict[int, dict] = {}
-    for path in trace_dir.glob("*.jsonl"):
-        lines = path.read_text().split("\n")[:-1]
-        if lines:
-            rec = json.loads(lines[-1])
-            kept = newest.get(rec["rank"])
-            if kept is None or (float(rec["attempt"]), rec["step"]) > (float(kept["attempt"]), kept["step"]):
-                newest[rec["rank"]] = rec
-    attempt = max((r["attempt"] for r in newest.values()), key=float, default=None)
-    return {rank: r for rank, r in newest.items() if r["attempt"] == attempt}
+    for rec in last:
+        kept = newest.get(rec["rank"])
+        if rec["attempt"] == attempt and (kept is None or rec["step"] > kept["step"]):
+            newest[rec["rank"]] = rec
+    return newest
 
 
 def whole_replica_step(latest: dict[int, dict]) -> int | None:
