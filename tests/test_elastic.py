@@ -261,7 +261,7 @@ def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tin
     storage = str(tmp_path / "runs")
     trace = tmp_path / "trace"
     trace.mkdir()
-    steps = 60
+    steps = 100  # the first replicas wait for the holders' processes to start: seconds on 2 cores
     flags = tiny_flags(tiny_corpus, storage, "two_lost", "--num-workers", "1:3", "--cpus-per-worker", "1",
                        "--placement-strategy", "SPREAD", "--total-batch-size", "1024", "--num-iterations",
                        str(steps), "--eval-every", "-1", "--save-every", "0", "--replicate-every", "1",
@@ -269,7 +269,12 @@ def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tin
     lost: list[int] = []
 
     def lose_two_nodes_at_once() -> None:
-        if not lost and last_traced_step(trace) >= 15:
+        # Once every rank's holders took a replica newer than the probe's checkpoint: the third node
+        # then holds some of them, and the restore says why they cannot be used. (Lost before the
+        # first replicas landed, which waits for the holders' processes to start, nothing in memory
+        # would be as new as the checkpoint, and nothing to say.)
+        whole = whole_replica_step(latest_by_rank(trace))
+        if not lost and last_traced_step(trace) >= 15 and whole is not None and whole >= PROBE_STEPS:
             lost.append(last_traced_step(trace))
             for node in nodes[:2]:  # no drain: a rack, or a zone's spot capacity, gone
                 c.remove_node(node, allow_graceful=False)
