@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from raychat.checkpoint.fence import Fence, LeaseRecord, create_record
+from raychat.run import metrics_log
 from raychat.run.metrics_log import METRICS_FILE, MetricsLog, read_timeline
 from raychat.storage import Storage
 
@@ -60,12 +62,29 @@ def test_non_finite_numbers_are_written_as_null(tmp_path):
     assert read_timeline(run).last_report["min_val_bpb"] is None
 
 
-@pytest.mark.parametrize("storage", ["s3"], indirect=True)
-def test_object_store_steps_are_batched(storage, monkeypatch):
-    """A bucket cannot append: step records wait for the next flush (every 30 s, or any other record)."""
+@pytest.mark.parametrize("storage", ["local", "s3"], indirect=True)
+def test_steps_are_batched_and_a_superseded_writer_appends_nothing(storage, monkeypatch):
+    """Step records wait for the next flush (LOCAL_FLUSH_S on local disk, REMOTE_FLUSH_S in a bucket,
+    or any other record); every flush lists the run's lease first, so once another driver took the
+    run (a newer epoch) nothing more reaches the file."""
     run = Storage(storage).child("r")
-    log = MetricsLog(run)
+    create_record(run, LeaseRecord(epoch=1, holder="a", host="h", pid=1, started="then", floor=0))
+    log = MetricsLog(run, Fence(run, 1))
+
+    def kinds() -> list[str]:
+        return [r["kind"] for r in map(json.loads, run.read_text(METRICS_FILE).splitlines())]
+
     log.write("step", step=0, loss=4.0)
     assert not run.exists(METRICS_FILE)
     log.write("eval", step=1, val_bpb=3.0)
-    assert [r["kind"] for r in map(json.loads, run.read_text(METRICS_FILE).splitlines())] == ["step", "eval"]
+    assert kinds() == ["step", "eval"]
+    monkeypatch.setattr(metrics_log, "LOCAL_FLUSH_S", 0.0)
+    monkeypatch.setattr(metrics_log, "REMOTE_FLUSH_S", 0.0)
+    log.write("step", step=1, loss=3.9)  # its interval is over: written at once
+    assert kinds() == ["step", "eval", "step"]
+
+    create_record(run, LeaseRecord(epoch=2, holder="b", host="h", pid=2, started="now", floor=0))
+    log.write("step", step=2, loss=3.8)
+    log.write("eval", step=3, val_bpb=2.9)
+    log.flush()
+    assert kinds() == ["step", "eval", "step"]

@@ -3,6 +3,8 @@ the loss contract, the chunked loss against the plain chain, causality and slidi
 precision, generation, optimizer sets, FLOPs per token (nanochat's d12 figure and by hand)."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,6 +132,16 @@ def test_meta_build_then_init_is_finite_fp32_and_on_device():
     logits = model(torch.randint(0, 100, (2, 32)))
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     assert logits.abs().max() < 15  # soft cap
+
+
+def test_building_a_model_imports_no_sympy():
+    """Every worker builds its model at each start: `materialize` keeps PyTorch's meta-tensor path,
+    which imports sympy (1-2 s of a start on 2 cores), out of it. A fresh process, as a worker is."""
+    code = ("import sys, torch; from raychat.model.gpt import build_model, GPTConfig; "
+            "build_model(GPTConfig(sequence_len=32, vocab_size=100, n_layer=2, n_head=2, n_kv_head=2, "
+            "n_embd=32), 'cpu'); print('sympy' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr
 
 
 def test_init_is_deterministic_under_seed():

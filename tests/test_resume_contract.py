@@ -326,7 +326,7 @@ def test_resize_requests_belong_to_one_attempt_and_the_last_step_answers_them(ra
     import ray
 
     from raychat.run.coordinator import _LIVE, FinalResult, start_coordinator
-    from raychat.run.elastic import PlannedResizeSave
+    from raychat.run.elastic import ElasticSignals, PlannedResizeSave
 
     session = uuid.uuid4().hex
     coordinator = start_coordinator(session)
@@ -335,6 +335,20 @@ def test_resize_requests_belong_to_one_attempt_and_the_last_step_answers_them(ra
         ray.get(coordinator.request_save.remote())  # the old group dies before answering
         ray.get(coordinator.start_attempt.remote(5, 2))
         assert ray.get(coordinator.poll_request.remote()) is False
+
+        # Rank 0's one call per step tells the step done and brings back the request: a reply that
+        # comes later than the next step is still read (the oldest unread one is kept).
+        signals = ElasticSignals(coordinator)
+        assert signals._poll_resize() is False  # nothing asked yet this attempt
+        ray.get(coordinator.request_save.remote())
+        signals.progress(5)
+        signals.progress(6)
+        deadline = time.monotonic() + 30
+        while not signals._poll_resize():
+            assert time.monotonic() < deadline, "the request never reached rank 0"
+            time.sleep(0.01)
+        ray.get(coordinator.saved.remote(7))
+        assert ray.get(coordinator.start_attempt.remote(7, 2)).last_step == 6  # what a restart redoes
 
         ray.get(coordinator.request_save.remote())  # arrives at the last step: the loop saves no more
         ray.get(coordinator.finish.remote(FinalResult(step=9, tokens_so_far=0, min_val_bpb=1.0,

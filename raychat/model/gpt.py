@@ -17,7 +17,7 @@ What it is, as in nanochat's `nanochat/gpt.py`:
 - GQA: n_kv_head may divide n_head
 
 Why it is built on the meta device first: shapes and parameter counts cost nothing there (the
-scaling rules need them for models that never get trained), and `to_empty` + `init_weights` then
+scaling rules need them for models that never get trained), and `materialize` + `init_weights` then
 allocate once on the real device. All real values are set in `init_weights`.
 
 Precision: master weights stay fp32 (the optimizer updates them); activations run in the compute
@@ -400,12 +400,19 @@ class GPT(nn.Module):
         }
 
 
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device=device)`, allocated with `torch.empty` instead of `empty_like`: on a
+    meta tensor `empty_like` runs PyTorch's Python reference, whose first call imports sympy, which
+    cost every worker 1-2 s of its start on a 2-core CPU (torch 2.13). Same tensors, values unset."""
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
 def build_model(config: GPTConfig, device: torch.device | str, precision: Precision | None = None) -> GPT:
     """Shapes on meta, storage on `device`, then nanochat's init (seed torch first for repeatability),
     in `precision` (default: --dtype auto's for the device, no fp8)."""
     with torch.device("meta"):
         model = GPT(config)
-    model.to_empty(device=torch.device(device))
+    materialize(model, torch.device(device))
     model.init_weights(precision.dtype if precision else None)
     if precision is not None and precision.fp8_recipe is not None:
         from raychat.model.fp8 import convert_to_fp8  # torchao is an optional extra: imported only for --fp8

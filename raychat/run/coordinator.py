@@ -92,8 +92,11 @@ class Coordinator:
     def preemption_saved(self, step: int) -> None:
         self.notice_step = step
 
-    def progress(self, step: int) -> None:
+    def progress(self, step: int) -> bool:
+        """Rank 0 finished `step` (what a restart redoes); the reply says whether a planned resize
+        asked for a save, so the one call per step serves both."""
         self.last_step, self.last_progress = step, time.time()
+        return self.poll_request()
 
     def restart_noticed(self, at: float) -> None:
         """The controller began restarting or resizing the group (`NoteRestart`), at `at`."""

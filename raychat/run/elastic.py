@@ -222,7 +222,7 @@ class ElasticSignals:
     the sums back."""
 
     coordinator: "ray.actor.ActorHandle | None" = None  # rank 0: the run's Coordinator actor
-    save_request: "ray.ObjectRef | None" = None  # rank 0: a pending Coordinator.poll_request() reply
+    save_request: "ray.ObjectRef | None" = None  # rank 0: the oldest Coordinator.progress() reply not read
     preempt_saved: bool = False  # saved on this attempt's preemption notice already
     resize_requested: bool = False
     preempt_requested: bool = False
@@ -254,12 +254,21 @@ class ElasticSignals:
         self.replicate_due = replicate > 0 and not self.any_sending
         self.replicate_skipped = replicate > 0 and self.any_sending
 
-    def _poll_resize(self) -> bool:
-        """Rank 0: has the controller asked for a save before a planned resize? (never blocks)"""
+    def progress(self, step: int) -> None:
+        """Rank 0, after each step: tell the coordinator (fire and forget: what a restart redoes).
+        Its reply carries the planned-resize flag `_poll_resize` reads; while an older reply is
+        unread it stays the one read, so replies slower than a step still get through."""
         if self.coordinator is None:
-            return False
+            return
+        reply = self.coordinator.progress.remote(step)
         if self.save_request is None:
-            self.save_request = self.coordinator.poll_request.remote()
+            self.save_request = reply
+
+    def _poll_resize(self) -> bool:
+        """Rank 0: has the controller asked for a save before a planned resize? (never blocks; the
+        answer of the last step's progress call)"""
+        if self.coordinator is None or self.save_request is None:
+            return False
         ready, _ = ray.wait([self.save_request], timeout=0)
         if not ready:
             return False

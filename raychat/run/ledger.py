@@ -139,8 +139,9 @@ def ledger(records: list[dict[str, Any]]) -> Ledger:
             s["startup"] = max(0.0, first_start - launched - pre_eval - pre_ckpt)
             wall_from = launched
         else:
-            # Steps the ended attempt finished whose records never reached the log (a bucket's log is
-            # written every 30 s) are known from the coordinator: redone, not waiting. Only when the
+            # Steps the ended attempt finished whose records never reached the log (held back for up to
+            # a second on local disk, 30 s in a bucket, when rank 0 was killed) are known from the
+            # coordinator: redone, not waiting. Only when the
             # coordinator saw a step the log did not: its progress call follows the step's record.
             unlogged = (start.get("last_progress_step") or -1) > last_logged
             lost_at = max(end, min(start.get("last_progress") or end, t_start)) if unlogged else end

@@ -310,6 +310,22 @@ def train_loop_per_worker(config: dict) -> None:
 
 def _train(config: WorkerRunConfig) -> None:
     w, state, signals = setup(config)
+    try:
+        _steps(w, state, signals)
+    finally:
+        # the step records the metrics log holds back, a failed attempt's too (a superseded
+        # writer's are dropped): the ledger then needs no estimate of this attempt's last steps
+        w.publisher.flush()
+    w.saver.close()
+    if w.replicator is not None:
+        w.replicator.close()
+    w.loader.close()
+    if w.wandb:
+        w.wandb.finish()
+
+
+def _steps(w: Worker, state: LoopState, signals: ElasticSignals) -> None:
+    """The step loop of one attempt, from the state `setup` restored to the last step or a stop."""
     cfg, num_iterations = w.cfg, w.plan.num_iterations
     first_step = state.step
     # An attempt restarted after the final save (a node lost during the final report, a planned
@@ -399,8 +415,7 @@ def _train(config: WorkerRunConfig) -> None:
 
         # logging
         log_step(w, state, result.loss, result.lrm, result.dt, result.data_wait)
-        if signals.coordinator is not None:
-            signals.coordinator.progress.remote(state.step)  # fire and forget: what a restart redoes
+        signals.progress(state.step)  # rank 0 tells the run's coordinator: what a restart redoes
 
         # nanochat's GC handling: the collector scans often and finds little; freeze after setup.
         if state.step == first_step:
@@ -420,11 +435,3 @@ def _train(config: WorkerRunConfig) -> None:
             if not saved:
                 stop_on_nan(w, "Weights are not finite", state.step)
                 break
-
-    w.saver.close()
-    if w.replicator is not None:
-        w.replicator.close()
-    w.loader.close()
-    w.publisher.flush()
-    if w.wandb:
-        w.wandb.finish()

@@ -8,10 +8,15 @@ Train. A restarted attempt redoes the steps after its checkpoint and appends the
 reader keeps the final timeline: at each start at step s, what earlier attempts wrote for steps
 from s on is dropped (evals and samples at s itself are kept unless redone).
 
-Local files are appended to (a line per record, readable at once); object stores cannot append,
-so there the whole file is rewritten (`Storage.open_append`), at most every REMOTE_FLUSH_S seconds
-for steps and at once for every other record. A failed write never stops
-training: it is retried with the next flush.
+Step records are held back and written together: on local disk (appended to where it is) at most
+every LOCAL_FLUSH_S seconds, in a bucket (which cannot append: the whole file is rewritten,
+`Storage.open_append`) at most every REMOTE_FLUSH_S seconds. Every other record is written at once,
+with the steps before it, and so is everything before a checkpoint and at the end of an attempt.
+Each write lists the run's lease first (a superseded writer never appends), so a write per step
+cost rank 0 about half a millisecond of every step, the whole gap between two steps of a small
+model. What a killed rank 0 held back is known to the run's coordinator (its step count) and
+counted as redone by the time ledger. A failed write never stops training: it is retried with the
+next flush.
 """
 
 import json
@@ -39,6 +44,7 @@ from raychat.run.metrics import (
 from raychat.storage import Storage
 
 METRICS_FILE = "metrics.jsonl"
+LOCAL_FLUSH_S = 1.0
 REMOTE_FLUSH_S = 30.0
 
 
@@ -88,8 +94,8 @@ class MetricsLog(Sink):
         """Log one record; returns it as written (with its time)."""
         record = _clean({"kind": kind, "time": time.time(), **fields})  # a time in `fields` wins
         self._pending.append(json.dumps(record))
-        due = time.monotonic() - self._last_flush >= REMOTE_FLUSH_S
-        if self._run.appends_in_place or kind != "step" or due:
+        every = LOCAL_FLUSH_S if self._run.appends_in_place else REMOTE_FLUSH_S
+        if kind != "step" or time.monotonic() - self._last_flush >= every:
             self.flush()
         return record
 
