@@ -12,7 +12,9 @@ schedules and rows, and print nanochat's step line, which this script parses:
 
 Same rows and the same arithmetic give the same losses, so the losses of the two step lines must
 agree (checked); anything else would mean the comparison is not like for like. Reported: steady-state
-tokens/sec (median dt after the first --skip steps) of both and their ratio (target >= 0.97), and
+tokens/sec (median dt after the first --skip steps) of both and their ratio (target >= 0.97), raychat's
+time between steps (outside each step's dt, evaluations and saves: the time ledger's "other", from
+its metrics log; the plain loop has none worth counting), and
 the time from launching each process to the end of its first step (raychat: Ray start-up, worker
 start, model build, loader start; broken down from the driver's output).
 
@@ -44,6 +46,7 @@ import numpy as np
 from raychat.common import RaychatError, raychat_home, run_cli
 from raychat.config import TrainConfig
 from raychat.corpus.index import CorpusIndex, list_shards
+from raychat.run.metrics_log import METRICS_FILE, parse_records
 
 if TYPE_CHECKING:
     import torch
@@ -313,6 +316,20 @@ def summarise(run: Run, skip: int, total_batch_size: int) -> str:
             f"process wall {run.wall:.1f}s")
 
 
+def step_gaps(run_dir: Path, skip: int) -> list[float]:
+    """Seconds between one step's end and the next one's start, outside evaluations and saves: what the
+    time ledger counts as "other" (raychat.run.ledger), per steady step, from the run's metrics log
+    (each step record is timed as the step ends; its dt is the step's own time)."""
+    records = parse_records((run_dir / METRICS_FILE).read_text())
+    steps = [r for r in records if r["kind"] == "step" and r["step"] >= skip - 1]
+
+    def outside(a: dict, b: dict, name: str) -> float:
+        return b.get(name, 0.0) - a.get(name, 0.0)
+
+    return [b["time"] - a["time"] - b["dt"] - outside(a, b, "eval_s_so_far")
+            - outside(a, b, "checkpoint_s_so_far") for a, b in zip(steps, steps[1:], strict=False)]
+
+
 def describe_cpu(run: Run) -> str:
     """CPU seconds per steady step by role, and the processes besides the training loop that used most."""
     roles: dict[str, float] = {}
@@ -387,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             ours = run_and_parse("raychat", raychat_cmd, env, log_dir / f"raychat_{repeat}.log", args.skip,
                                  last)
             print(summarise(ours, args.skip, cfg.total_batch_size), flush=True)
+            gaps = step_gaps(Path(tmp) / "runs" / f"overhead_{repeat}", args.skip)
+            median_dt, mean_gap = statistics.median(ours.steady(args.skip)), statistics.mean(gaps)
+            print(f"         raychat between steps (the ledger's 'other'): median "
+                  f"{1000 * statistics.median(gaps):.2f} ms, mean {1000 * mean_gap:.2f} ms = "
+                  f"{100 * mean_gap / median_dt:.2f}% of the median dt", flush=True)
             marks = ", ".join(f"{mark} {seconds:.1f}s" for mark, seconds in ours.marks.items())
             print(f"         raychat start-up (seconds after launch): {marks}", flush=True)
             for run in (plain, ours):

@@ -347,8 +347,12 @@ def test_resize_requests_belong_to_one_attempt_and_the_last_step_answers_them(ra
         while not signals._poll_resize():
             assert time.monotonic() < deadline, "the request never reached rank 0"
             time.sleep(0.01)
-        ray.get(coordinator.saved.remote(7))
-        assert ray.get(coordinator.start_attempt.remote(7, 2)).last_step == 6  # what a restart redoes
+        signals.progress(7)  # after the step that heard it: its reply still says "save"
+        signals.resize_saved(8)
+        signals.progress(8)
+        ray.get(signals.save_request)
+        assert signals._poll_resize() is False  # saved once: a group not stopped trains on
+        assert ray.get(coordinator.start_attempt.remote(9, 2)).last_step == 8  # what a restart redoes
 
         ray.get(coordinator.request_save.remote())  # arrives at the last step: the loop saves no more
         ray.get(coordinator.finish.remote(FinalResult(step=9, tokens_so_far=0, min_val_bpb=1.0,

@@ -264,6 +264,14 @@ class ElasticSignals:
         if self.save_request is None:
             self.save_request = reply
 
+    def resize_saved(self, step: int) -> None:
+        """Rank 0: the planned resize's save of `step` is done; tell the coordinator. The progress reply
+        sent after the step that heard the request was computed before this and still says "save":
+        dropped, or a group Ray has not stopped by then would save and wait a second time."""
+        if self.coordinator is not None:
+            ray.get(self.coordinator.saved.remote(step))
+        self.save_request = None
+
     def _poll_resize(self) -> bool:
         """Rank 0: has the controller asked for a save before a planned resize? (never blocks; the
         answer of the last step's progress call)"""

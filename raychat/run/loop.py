@@ -204,8 +204,7 @@ def save_on_request(w: Worker, state: LoopState, signals: ElasticSignals) -> boo
             wait_s = left + NOTICE_WAIT_GRACE_S
             w.log(f"{saved}, waiting for the node to go ({left:.0f}s)")
     if signals.resize_requested:
-        if signals.coordinator is not None:
-            ray.get(signals.coordinator.saved.remote(state.step))
+        signals.resize_saved(state.step)
         w.log(f"Planned resize: saved step {state.step}, waiting for the new worker group")
         wait_s = max(wait_s, PLANNED_RESIZE_WAIT_S)
     stop_waiting = time.monotonic() + wait_s
