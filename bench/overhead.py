@@ -152,6 +152,7 @@ def plain_main(spec: dict) -> int:
     import torch
 
     from raychat.model.gpt import build_model
+    from raychat.model.precision import configure_matmuls, resolve_precision
     from raychat.optim.muon_adamw import build_optimizer
     from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
     from raychat.run.step import micro_slices, train_step
@@ -161,7 +162,10 @@ def plain_main(spec: dict) -> int:
     cfg = TrainConfig.from_dict(spec["config"])
     plan = resolve_plan(cfg, Tokenizer.load(spec["tokenizer_dir"]).vocab_size)
     torch.manual_seed(cfg.seed)
-    model = build_model(plan.model, "cpu")
+    # the precision a raychat worker resolves (--dtype auto: bf16 on a CPU with native bf16, else fp32)
+    precision = resolve_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, "cpu")
+    configure_matmuls(torch.device("cpu"))
+    model = build_model(plan.model, "cpu", precision)
     scale = plan.lr_scale
     optimizer = build_optimizer(model, embedding_lr=cfg.embedding_lr * scale,
                                 unembedding_lr=cfg.unembedding_lr * scale, matrix_lr=cfg.matrix_lr * scale,
