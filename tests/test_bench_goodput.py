@@ -41,7 +41,8 @@ def test_the_cadences_are_read_from_the_lines_the_trainer_logs():
     replicator = Replicator(None, None, epoch=1, attempt=0, log=lines.append, warn=lines.append, every=0,
                             sends_compete=True)
     try:
-        replicator.last_step, replicator.send_cpu_s = 2, 0.02
+        replicator.replicated.append(2)
+        replicator.send_cpu_s = 0.02
         replicator.writer.snapshot_seconds = 0.01
         # 0.5 s steps, 30 ms of copy and send: sqrt(2 x 0.03 x 600) = 6 s, 12 steps
         replicator.auto_due(3, 0, step_s=0.5)

@@ -30,7 +30,6 @@ from trace_audit import (
 
 from bench.multinode import node_of_pid, stop_processes_under
 from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
-from raychat.run.cadence import PROBE_STEPS
 from raychat.run.metrics_log import METRICS_FILE, parse_records
 from raychat.storage import Storage
 
@@ -136,10 +135,11 @@ def scrape_world_sizes(ports: list[int], seen: dict[str, set[float]]) -> None:
                 seen.setdefault(line.split("{", 1)[0], set()).add(float(line.rsplit(" ", 1)[1]))
 
 
-def run_job(cluster, flags: list[str], trace: Path, on_tick: Callable[[], None], timeout_s: float = 600,
-            tick_s: float = 0.5) -> tuple[JobStatus, str]:
+def run_job(cluster, flags: list[str], trace: Path, on_tick: Callable[[Callable[[], str]], None],
+            timeout_s: float = 600, tick_s: float = 0.5) -> tuple[JobStatus, str]:
     """Submit `python -m raychat.train flags` to `cluster` (traced to `trace`), call `on_tick` every
-    `tick_s` while it runs (the test's faults), and return its final status and its log."""
+    `tick_s` while it runs (the test's faults; it is given a function that reads the job's log so
+    far), and return its final status and its log."""
     client = JobSubmissionClient(f"http://{cluster.head_node.address_info['webui_url']}")
     job = submit(client, entrypoint=" ".join(["python -m raychat.train", *flags]),
                  runtime_env={"env_vars": {"RAYCHAT_TRACE_DIR": str(trace)}})
@@ -149,7 +149,7 @@ def run_job(cluster, flags: list[str], trace: Path, on_tick: Callable[[], None],
         status = client.get_job_status(job)
         if status in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
             break
-        on_tick()
+        on_tick(lambda: client.get_job_logs(job))
         time.sleep(tick_s)
     return status, client.get_job_logs(job)
 
@@ -164,7 +164,7 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
     gauges: dict[str, set[float]] = {}
     events: dict[str, float] = {}
 
-    def lose_a_node_then_bring_it_back() -> None:
+    def lose_a_node_then_bring_it_back(_log: Callable[[], str]) -> None:
         scrape_world_sizes(ports, gauges)
         step = last_traced_step(trace)
         # Lost a few steps after a save (every 10), once every rank's holders took a replica at least
@@ -252,13 +252,14 @@ def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tin
     the second (raychat.run.replicas), so no whole set survives in memory. Two new nodes join at
     once (a group of one on a loaded 2-core host can outlast Ray Train's 5 s start timeout); the
     next group resumes from the last checkpoint in storage, says so, and trains every document once.
-    With the default cadence: peer memory covers a single node lost, so storage saves after the
-    attempt's probe are a minute apart (--max-lost-minutes), and this loss redoes from the probe."""
+    With the default cadence: once peer memory holds every rank's state, storage saves are a minute
+    apart (--max-lost-minutes), and this loss redoes from the last save before it."""
     c, nodes = cluster
     assert len(nodes) == 3  # (before the spot test, which takes one away: a node just added may not be
     # in Ray's autoscaling view yet, and the run would start at 2)
     data_dir, _ = tiny_corpus
     storage = str(tmp_path / "runs")
+    run_dir = Storage(storage).child("two_lost")
     trace = tmp_path / "trace"
     trace.mkdir()
     steps = 100  # the first replicas wait for the holders' processes to start: seconds on 2 cores
@@ -266,20 +267,29 @@ def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tin
                        "--placement-strategy", "SPREAD", "--total-batch-size", "1024", "--num-iterations",
                        str(steps), "--eval-every", "-1", "--save-every", "0", "--replicate-every", "1",
                        "--max-failures", "2")
+    peer_cadence = re.compile(r"^Checkpoint cadence( changed from every \d+ steps)?: every \d+ steps "
+                              r"\(~([\d.]+)s; .*\): peer memory holds every rank's state", re.M)
     lost: list[int] = []
+    saved_before_loss: list[int] = []
 
-    def lose_two_nodes_at_once() -> None:
-        # Once every rank's holders took a replica newer than the probe's checkpoint: the third node
-        # then holds some of them, and the restore says why they cannot be used. (Lost before the
-        # first replicas landed, which waits for the holders' processes to start, nothing in memory
-        # would be as new as the checkpoint, and nothing to say.)
+    def lose_two_nodes_at_once(job_log: Callable[[], str]) -> None:
+        # Once every rank's holders took a replica newer than the last checkpoint (the third node
+        # then holds some of them, and the restore says why they cannot be used), and the cadence,
+        # told at a save that peer memory holds every rank's state, put the next save a minute away.
+        # (The holders' processes take seconds to start on 2 cores: the probe's save may come first,
+        # and the save after it, at the short interval, says so.)
+        if lost or last_traced_step(trace) < 15 or not peer_cadence.search(job_log()):
+            return
+        saved = read_meta(latest_valid_checkpoint(run_dir)).step
         whole = whole_replica_step(latest_by_rank(trace))
-        if not lost and last_traced_step(trace) >= 15 and whole is not None and whole >= PROBE_STEPS:
-            lost.append(last_traced_step(trace))
-            for node in nodes[:2]:  # no drain: a rack, or a zone's spot capacity, gone
-                c.remove_node(node, allow_graceful=False)
-            del nodes[:2]
-            nodes.extend(c.add_node(**NODE, metrics_export_port=free_port()) for _ in range(2))
+        if whole is None or whole <= saved:
+            return
+        lost.append(last_traced_step(trace))
+        saved_before_loss.append(saved)
+        for node in nodes[:2]:  # no drain: a rack, or a zone's spot capacity, gone
+            c.remove_node(node, allow_graceful=False)
+        del nodes[:2]
+        nodes.extend(c.add_node(**NODE, metrics_export_port=free_port()) for _ in range(2))
 
     status, logs = run_job(c, flags, trace, lose_two_nodes_at_once, tick_s=0.3)
     assert status == JobStatus.SUCCEEDED, logs[-4000:]
@@ -287,14 +297,13 @@ def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tin
 
     line = re.search(r"^(Lost \d+ worker\(s\)|A worker failed): continuing on \d+ from step (\d+) "
                      r"\(checkpoint_(\d+)\); \d+ steps redone$", logs, re.M)
-    assert line and int(line.group(2)) == int(line.group(3)) == PROBE_STEPS, logs[-4000:]
-    cadence = re.search(r"^Checkpoint cadence( changed from every \d+ steps)?: every \d+ steps \(~([\d.]+)s; "
-                        r".*\): peer memory holds every rank's state", logs, re.M)
-    assert cadence and float(cadence.group(2)) >= 30, logs[-4000:]  # the cap's minute, less a write
+    assert line and int(line.group(2)) == int(line.group(3)) == saved_before_loss[0], logs[-4000:]
+    cadence = peer_cadence.search(logs)
+    assert float(cadence.group(2)) >= 30, logs[-4000:]  # the cap's minute, less a write
     assert world_sizes_by_attempt(trace)[0] == 3
     said = re.search(r"^Memory replicas: no whole set as new as the checkpoint survives", logs, re.M)
     assert said, logs[-4000:]
-    final = read_meta(latest_valid_checkpoint(Storage(storage).child("two_lost")))
+    final = read_meta(latest_valid_checkpoint(run_dir))
     assert final.step == steps
     assert sorted(read_trace(trace)) == list(range(steps))
     assert_epoch1_exactly_once(trace, data_dir, final.cursor)
@@ -317,7 +326,7 @@ def test_spot_notice_saves_before_the_node_goes(cluster, tiny_corpus, tmp_path):
     deadline_s = 5
     reclaim: dict = {}
 
-    def drain_rank_1s_node_then_take_it() -> None:
+    def drain_rank_1s_node_then_take_it(_log: Callable[[], str]) -> None:
         if "drained_at" not in reclaim and last_traced_step(trace) >= 10:
             (rank1,) = trace.glob("*_rank1_*.jsonl")
             node = reclaim["node"] = node_of_pid(nodes, int(rank1.stem.rsplit("_", 1)[1]))

@@ -60,17 +60,25 @@ def test_the_storage_cadence_leans_on_peer_memory_only_while_a_peer_holds_a_rece
     peered = Replicator(object(), object(), epoch=1, attempt=0, log=print, warn=print, every=3)
     alone = Replicator(object(), None, epoch=1, attempt=0, log=print, warn=print, every=3)
     try:
-        assert peered.peer_interval(10, [None, None]) is None  # nothing held on a peer node yet
-        # every rank's newest step held within two intervals and a step (a replica in flight, the one
-        # before it held): 3
-        assert peered.peer_interval(17, [10, 13]) == 3 and peered.peer_interval(18, [13, 10]) is None
+        assert peered.peer_interval([None, None]) is None  # nothing replicated, nothing held yet
+        peered.replicated.extend([10, 13])  # the last two steps replicated (a holder keeps two per rank)
+        # every rank holds one of them: all hold step 10, a whole set; the interval is --replicate-every's
+        assert peered.peer_interval([10, 13]) == 3 and peered.peer_interval([13, 13]) == 3
         # rank 0's replicas held, another rank's not (its sends fail or its peer holder hangs): that
         # rank's state would come from storage, so storage saves may not lean on memory
-        assert peered.peer_interval(14, [13, None]) is None and peered.peer_interval(14, []) is None
-        # a holder keeps two steps per rank: newest 13 and 10 share step 10 (a whole set), 13 and 9
-        # (holding 13, 10 and 9, 6) share none
-        assert peered.peer_interval(14, [13, 10]) == 3 and peered.peer_interval(14, [13, 9]) is None
-        assert alone.peer_interval(11, [10, 10]) is None  # a one-node group: its node's copy dies with it
+        assert peered.peer_interval([13, None]) is None and peered.peer_interval([]) is None
+        # a rank whose newest held step is older than both (its sends fail while others' land): no
+        # whole set of a recent step
+        assert peered.peer_interval([13, 7]) is None
+        # sends slower than the interval (a loaded host): steps 14-21 skipped while 13's was in flight,
+        # 22 replicated; 13 is held by all, so a whole set exists, 9 steps apart: the interval they keep
+        peered.replicated.append(22)
+        assert peered.peer_interval([13, 13]) == 9 and peered.peer_interval([22, 13]) == 9
+        # every send failing (the holders gone) while replication goes on: the held steps fall behind
+        peered.replicated.append(25)
+        assert peered.peer_interval([13, 13]) is None
+        alone.replicated.extend([7, 10])
+        assert alone.peer_interval([10, 10]) is None  # a one-node group: its node's copy dies with it
     finally:
         peered.close()
         alone.close()
@@ -112,7 +120,8 @@ def test_auto_replicates_at_least_as_often_as_an_explicit_save_interval():
         replicator = Replicator(None, None, epoch=1, attempt=0, log=lines.append, warn=lines.append,
                                 sends_compete=True, saves_every=saves_every)
         try:
-            replicator.last_step, replicator.send_cpu_s = 2, send_s
+            replicator.replicated.append(2)
+            replicator.send_cpu_s = send_s
             replicator.writer.snapshot_seconds = copy_s
             replicator.auto_due(3, 0, step_s=step_s)
         finally:

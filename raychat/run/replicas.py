@@ -102,7 +102,9 @@ class Replicator:
         self.saves_every = max(0, saves_every)  # --save-every N caps auto (replicas_needed's at_most)
         self.sends_compete = sends_compete  # training on the CPUs the send uses (replicas_needed)
         self.writer = AsyncCheckpointWriter()
-        self.last_step: int | None = None
+        # The steps this rank last replicated, newest last (every rank replicates at the same steps):
+        # what a holder keeps of each rank while its sends keep up (`peer_interval`).
+        self.replicated: deque[int] = deque(maxlen=REPLICA_KEEP_STEPS)
         self.sent_step: int | None = None  # the newest step every holder of this rank took (send's thread)
         self.failed: str | None = None  # the last send's fault: a lost holder is said, never raised
         self.skipping_since: int | None = None  # the first step skipped while a send was in flight
@@ -145,7 +147,12 @@ class Replicator:
                 self.send_cpu_s = time.thread_time() - started
 
         self.writer.submit("memory replicas", replica.pieces, send)
-        self.last_step = replica.step
+        self.replicated.append(replica.step)
+
+    @property
+    def last_step(self) -> int | None:
+        """The step this rank last replicated (None: none yet this attempt)."""
+        return self.replicated[-1] if self.replicated else None
 
     @property
     def held_step(self) -> int | None:
@@ -153,17 +160,18 @@ class Replicator:
         keeps its own node's copy only: None)."""
         return self.sent_step if len(self.holders) > 1 else None
 
-    def peer_interval(self, step: int, held_steps: list[int | None]) -> int | None:
+    def peer_interval(self, held_steps: list[int | None]) -> int | None:
         """Rank 0: the replica interval while a peer node holds every rank's recent state (each rank's
-        `held_step`, gathered at a save, within two intervals and a step of `step`), else None (a
-        one-node group, a rank with no replica held yet, or whose sends fail or are skipped): what the
-        storage cadence may lean on."""
+        `held_step`, gathered at a save), else None (a one-node group, a rank with no replica held
+        yet, or one whose sends fail): what the storage cadence may lean on. Recent means one of the
+        REPLICA_KEEP_STEPS steps last replicated, which a holder keeps of each rank: then every rank
+        holds the oldest of them, a whole set. Sends slower than the interval (a loaded host, a holder
+        starting) skip steps but keep up; the interval they keep is the gap between the last two."""
         if len(self.holders) < 2 or self.every < 1 or not held_steps or None in held_steps:
             return None
-        # A holder keeps each rank's newest REPLICA_KEEP_STEPS: a whole set exists only while every
-        # rank's newest is within that window of the others' (a rank whose sends fail falls behind).
-        whole = max(held_steps) - min(held_steps) <= (REPLICA_KEEP_STEPS - 1) * self.every
-        return self.every if whole and step - min(held_steps) <= 2 * self.every + 1 else None
+        if len(self.replicated) < REPLICA_KEEP_STEPS or min(held_steps) < self.replicated[0]:
+            return None
+        return max(self.every, self.replicated[-1] - self.replicated[0])
 
     def sending(self) -> bool:
         """Whether this rank's last replica is still being put and handed to its holders."""
