@@ -7,7 +7,7 @@ import pytest
 
 from raychat.checkpoint.fence import Fence, LeaseRecord, create_record
 from raychat.run import metrics_log
-from raychat.run.metrics_log import METRICS_FILE, MetricsLog, read_timeline
+from raychat.run.metrics_log import METRICS_FILE, MetricsLog, parse_records, read_timeline
 from raychat.storage import Storage
 
 
@@ -88,3 +88,49 @@ def test_steps_are_batched_and_a_superseded_writer_appends_nothing(storage, monk
     log.write("eval", step=3, val_bpb=2.9)
     log.flush()
     assert kinds() == ["step", "eval", "step"]
+
+
+FULL_DISK_WRITER = """
+import os, resource, signal, sys
+from raychat.run.metrics_log import METRICS_FILE, MetricsLog
+from raychat.storage import Storage
+
+run = Storage(sys.argv[1])
+log = MetricsLog(run)
+log.write("start", step=0, world_size=1)  # written at once
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG), as on a full disk
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+
+def disk_full_after(extra: int) -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(run.path(METRICS_FILE)) + extra, hard))
+
+
+for step in range(3):
+    log.write("step", step=step, dt=1.0, loss=4.0)
+disk_full_after(40)
+log.flush()  # cut short inside the first step's record
+disk_full_after(120)
+log.flush()  # the retry: the first step's record whole, the second's cut short
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+log.write("eval", step=3, val_bpb=3.0)  # written at once, with the steps the failed flush kept
+"""
+
+
+def test_an_append_cut_short_loses_no_step_and_counts_none_twice(tmp_path):
+    """Writes to local disk that fail halfway (the disk fills; here the process's file-size limit) leave
+    torn lines. Each retry starts on a line of its own, so every step reaches the log; a step written
+    whole by a failed write and again by its retry counts once, in the timeline and in the ledger."""
+    import subprocess
+    import sys
+
+    run = Storage(tmp_path).child("r")
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_WRITER, str(run.location)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "cannot write" in done.stderr and "will retry" in done.stderr
+    lines = run.read_text(METRICS_FILE).splitlines()
+    assert len(parse_records("\n".join(lines))) < len([line for line in lines if line]), lines  # torn lines
+    timeline = read_timeline(run)
+    assert [r["step"] for r in timeline.steps] == [0, 1, 2] and [r["step"] for r in timeline.evals] == [3]
+    assert timeline.ledger.attempts[0].seconds["training"] == 3.0

@@ -16,7 +16,7 @@ Each write lists the run's lease first (a superseded writer never appends), so a
 cost rank 0 about half a millisecond of every step, the whole gap between two steps of a small
 model. What a killed rank 0 held back is known to the run's coordinator (its step count) and
 counted as redone by the time ledger. A failed write never stops training: it is retried with the
-next flush.
+next flush, on a line of its own.
 """
 
 import json
@@ -109,6 +109,9 @@ class MetricsLog(Sink):
                 return
             self._file.append(data.encode())
         except (OSError, pa.ArrowException, StorageUnavailable) as e:
+            # A write cut short (a full disk) may have left part of a line: the retry starts on a line
+            # of its own. What it had written whole is written again; a reader keeps one per step.
+            self._needs_newline = True
             if not self._warned:  # the checkpoints matter more than this log: say so once, train on
                 print(f"raychat: cannot write {self._run.child(METRICS_FILE)} ({e}); will retry",
                       file=sys.stderr, flush=True)
