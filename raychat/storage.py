@@ -494,7 +494,9 @@ class Storage:
 class AppendFile:
     """A file that only grows (a log). On local disk and NFS each append adds to the file in place; an
     object store cannot append, so there each append rewrites the object whole from the copy kept here
-    (the file as read when it was opened, and every append since: one writer per file)."""
+    (the file as read when it was opened, and every append since: one writer per file). An append
+    that fails adds nothing: a write cut short in place (a full disk) is cut off again, where the
+    filesystem still allows it (a torn line, and what the retry writes again, would follow)."""
 
     def __init__(self, storage: Storage, name: str, existing: bytes):
         self._storage, self._name = storage, name
@@ -503,8 +505,15 @@ class AppendFile:
     def append(self, data: bytes) -> None:
         if self._storage.appends_in_place:
             self._storage.make_dir()
-            with self._storage.fs.open_append_stream(self._storage.path(self._name)) as f:
-                f.write(data)
+            path = self._storage.path(self._name)
+            size = self._storage.fs.get_file_info(path).size or 0  # None: not there yet
+            try:
+                with self._storage.fs.open_append_stream(path) as f:
+                    f.write(data)
+            except BaseException:
+                with suppress(OSError):
+                    os.truncate(path, size)
+                raise
         else:
             self._storage.write_bytes(self._name, self._content + data)
             self._content += data

@@ -7,7 +7,7 @@ import pytest
 
 from raychat.checkpoint.fence import Fence, LeaseRecord, create_record
 from raychat.run import metrics_log
-from raychat.run.metrics_log import METRICS_FILE, MetricsLog, parse_records, read_timeline
+from raychat.run.metrics_log import METRICS_FILE, MetricsLog, final_timeline, parse_records, read_timeline
 from raychat.storage import Storage
 
 
@@ -96,31 +96,33 @@ from raychat.run.metrics_log import METRICS_FILE, MetricsLog
 from raychat.storage import Storage
 
 run = Storage(sys.argv[1])
-log = MetricsLog(run)
-log.write("start", step=0, world_size=1)  # written at once
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG), as on a full disk
 soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
 
 
 def disk_full_after(extra: int) -> None:
-    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(run.path(METRICS_FILE)) + extra, hard))
+    path = run.path(METRICS_FILE)
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + extra, hard))
 
 
+log = MetricsLog(run)
+disk_full_after(0)
+log.write("start", step=0, world_size=1)  # written at once: fails, kept
 for step in range(3):
     log.write("step", step=step, dt=1.0, loss=4.0)
-disk_full_after(40)
-log.flush()  # cut short inside the first step's record
 disk_full_after(120)
-log.flush()  # the retry: the first step's record whole, the second's cut short
+log.flush()  # cut short: the start record whole, the first step's cut
+disk_full_after(40)
+log.flush()  # cut short inside the start record
 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-log.write("eval", step=3, val_bpb=3.0)  # written at once, with the steps the failed flush kept
+log.write("eval", step=3, val_bpb=3.0)  # written at once, with all it held
 """
 
 
-def test_an_append_cut_short_loses_no_step_and_counts_none_twice(tmp_path):
-    """Writes to local disk that fail halfway (the disk fills; here the process's file-size limit) leave
-    torn lines. Each retry starts on a line of its own, so every step reaches the log; a step written
-    whole by a failed write and again by its retry counts once, in the timeline and in the ledger."""
+def test_an_append_cut_short_adds_nothing_and_loses_nothing(tmp_path):
+    """Writes to local disk that fail halfway (the disk fills; here the process's file-size limit) are
+    cut off again: no torn line, no record written twice, and the retry writes them all."""
     import subprocess
     import sys
 
@@ -129,8 +131,21 @@ def test_an_append_cut_short_loses_no_step_and_counts_none_twice(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "cannot write" in done.stderr and "will retry" in done.stderr
-    lines = run.read_text(METRICS_FILE).splitlines()
-    assert len(parse_records("\n".join(lines))) < len([line for line in lines if line]), lines  # torn lines
+    lines = [line for line in run.read_text(METRICS_FILE).splitlines() if line]
+    assert [json.loads(line)["kind"] for line in lines] == ["start", "step", "step", "step", "eval"]
     timeline = read_timeline(run)
-    assert [r["step"] for r in timeline.steps] == [0, 1, 2] and [r["step"] for r in timeline.evals] == [3]
-    assert timeline.ledger.attempts[0].seconds["training"] == 3.0
+    assert [r["step"] for r in timeline.steps] == [0, 1, 2] and timeline.ledger.seconds["training"] == 3.0
+
+
+def test_torn_and_repeated_lines_are_read_once():
+    """Where a write cut short could not be cut off again (a filesystem that refuses the truncation),
+    the log keeps a torn line and the retry repeats what was written whole: a reader skips the torn
+    line and reads each record once (one attempt, not two)."""
+    start = json.dumps({"kind": "start", "time": 10.0, "step": 0, "world_size": 1})
+    steps = [json.dumps({"kind": "step", "time": 11.0 + s, "step": s, "dt": 1.0}) for s in range(2)]
+    text = "\n".join([start, steps[0][:30], "", start, *steps, ""])
+    records = parse_records(text)
+    assert [r["kind"] for r in records] == ["start", "step", "step"]
+    timeline = final_timeline(records)
+    assert len(timeline.starts) == 1 and len(timeline.ledger.attempts) == 1
+    assert timeline.ledger.seconds["training"] == 2.0

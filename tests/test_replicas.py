@@ -60,25 +60,28 @@ def test_the_storage_cadence_leans_on_peer_memory_only_while_a_peer_holds_a_rece
     peered = Replicator(object(), object(), epoch=1, attempt=0, log=print, warn=print, every=3)
     alone = Replicator(object(), None, epoch=1, attempt=0, log=print, warn=print, every=3)
     try:
-        assert peered.peer_interval([None, None]) is None  # nothing replicated, nothing held yet
+        assert peered.peer_interval(10, [None, None]) is None  # nothing replicated, nothing held yet
         peered.replicated.extend([10, 13])  # the last two steps replicated (a holder keeps two per rank)
         # every rank holds one of them: all hold step 10, a whole set; the interval is --replicate-every's
-        assert peered.peer_interval([10, 13]) == 3 and peered.peer_interval([13, 13]) == 3
+        assert peered.peer_interval(14, [10, 13]) == 3 and peered.peer_interval(14, [13, 13]) == 3
         # rank 0's replicas held, another rank's not (its sends fail or its peer holder hangs): that
         # rank's state would come from storage, so storage saves may not lean on memory
-        assert peered.peer_interval([13, None]) is None and peered.peer_interval([]) is None
+        assert peered.peer_interval(14, [13, None]) is None and peered.peer_interval(14, []) is None
         # a rank whose newest held step is older than both (its sends fail while others' land): no
         # whole set of a recent step
-        assert peered.peer_interval([13, 7]) is None
+        assert peered.peer_interval(14, [13, 7]) is None
+        # a hung holder: 13's send in flight (up to HOLDER_CALL_S) skips every step after it on all
+        # ranks, so nothing moves; two intervals and a step past 10, the set is stale
+        assert peered.peer_interval(17, [13, 10]) == 3 and peered.peer_interval(18, [13, 10]) is None
         # sends slower than the interval (a loaded host): steps 14-21 skipped while 13's was in flight,
         # 22 replicated; 13 is held by all, so a whole set exists, 9 steps apart: the interval they keep
         peered.replicated.append(22)
-        assert peered.peer_interval([13, 13]) == 9 and peered.peer_interval([22, 13]) == 9
+        assert peered.peer_interval(25, [13, 13]) == 9 and peered.peer_interval(25, [22, 13]) == 9
         # every send failing (the holders gone) while replication goes on: the held steps fall behind
         peered.replicated.append(25)
-        assert peered.peer_interval([13, 13]) is None
+        assert peered.peer_interval(26, [13, 13]) is None
         alone.replicated.extend([7, 10])
-        assert alone.peer_interval([10, 10]) is None  # a one-node group: its node's copy dies with it
+        assert alone.peer_interval(11, [10, 10]) is None  # a one-node group: its node's copy dies with it
     finally:
         peered.close()
         alone.close()

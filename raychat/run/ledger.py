@@ -117,8 +117,7 @@ def ledger(records: list[dict[str, Any]]) -> Ledger:
     previous: dict[str, Any] = {}
     for i, (start, body) in enumerate(attempts):
         t_start = start["time"]
-        # One record per step: a log write cut short and retried writes again what it had written whole.
-        steps = list({r["step"]: r for r in body if r["kind"] == "step"}.values())
+        steps = [r for r in body if r["kind"] == "step"]
         resized = start.get("resizes", 0) > previous.get("resizes", 0)
         restarted = resized or start.get("restarts", 0) > previous.get("restarts", 0)
         # The driver's session says which attempts are one run of the driver; a log written before

@@ -138,7 +138,7 @@ def save(w: Worker, state: LoopState, wait: bool) -> bool:
     if gathered[0][2] is not None:
         raise LeaseLost(gathered[0][2])
     if w.master and w.replicator is not None:
-        w.peer_every = w.replicator.peer_interval([h for _, _, _, h in gathered])
+        w.peer_every = w.replicator.peer_interval(state.step, [h for _, _, _, h in gathered])
     pieces, plain = state_pieces(w.orig_model, w.optimizer, w.world_size, w.rank)
     cursors = [cursor for cursor, _, _, _ in gathered]
     merged = merge_cursor(cursors, w.loader.num_units, w.loader.shuffle_seed) if w.master else None

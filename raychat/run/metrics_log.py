@@ -109,8 +109,9 @@ class MetricsLog(Sink):
                 return
             self._file.append(data.encode())
         except (OSError, pa.ArrowException, StorageUnavailable) as e:
-            # A write cut short (a full disk) may have left part of a line: the retry starts on a line
-            # of its own. What it had written whole is written again; a reader keeps one per step.
+            # A write cut short (a full disk) that could not be cut off again left part of a line: the
+            # retry starts on a line of its own (what it wrote whole and writes again, parse_records
+            # reads once).
             self._needs_newline = True
             if not self._warned:  # the checkpoints matter more than this log: say so once, train on
                 print(f"raychat: cannot write {self._run.child(METRICS_FILE)} ({e}); will retry",
@@ -137,9 +138,15 @@ class Timeline:
 
 
 def parse_records(text: str) -> list[dict[str, Any]]:
-    """The log's records in file order; a torn line (an attempt killed mid-write) is skipped."""
-    records = []
+    """The log's records in file order; a torn line (an attempt killed mid-write) is skipped, and so
+    is a line seen before: a write cut short that the filesystem would not cut off again leaves what it
+    wrote whole, and its retry writes it again (each record carries its time to the microsecond, so
+    two records are never the same line otherwise)."""
+    records, seen = [], set()
     for line in text.splitlines():
+        if line in seen:
+            continue
+        seen.add(line)
         try:
             record = json.loads(line)
         except json.JSONDecodeError:

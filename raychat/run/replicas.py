@@ -160,18 +160,22 @@ class Replicator:
         keeps its own node's copy only: None)."""
         return self.sent_step if len(self.holders) > 1 else None
 
-    def peer_interval(self, held_steps: list[int | None]) -> int | None:
-        """Rank 0: the replica interval while a peer node holds every rank's recent state (each rank's
-        `held_step`, gathered at a save), else None (a one-node group, a rank with no replica held
-        yet, or one whose sends fail): what the storage cadence may lean on. Recent means one of the
-        REPLICA_KEEP_STEPS steps last replicated, which a holder keeps of each rank: then every rank
-        holds the oldest of them, a whole set. Sends slower than the interval (a loaded host, a holder
-        starting) skip steps but keep up; the interval they keep is the gap between the last two."""
+    def peer_interval(self, step: int, held_steps: list[int | None]) -> int | None:
+        """Rank 0, at a save of `step`: the replica interval while a peer node holds every rank's recent
+        state (each rank's `held_step`, gathered at the save), else None (a one-node group, a rank with
+        no replica held yet, or one whose sends fail or hang): what the storage cadence may lean on.
+        Every rank must hold one of the REPLICA_KEEP_STEPS steps last replicated, which a holder keeps
+        of each rank (then every rank holds the oldest: a whole set). Sends slower than the interval (a
+        loaded host, a holder starting) skip steps but keep up: the interval they keep is the gap
+        between the last two. A send in flight skips every step after it on all ranks, so while a
+        hung holder keeps one going (up to HOLDER_CALL_S) nothing above moves: a set older than two
+        such intervals and a step is stale."""
         if len(self.holders) < 2 or self.every < 1 or not held_steps or None in held_steps:
             return None
         if len(self.replicated) < REPLICA_KEEP_STEPS or min(held_steps) < self.replicated[0]:
             return None
-        return max(self.every, self.replicated[-1] - self.replicated[0])
+        interval = max(self.every, self.replicated[-1] - self.replicated[0])
+        return interval if step - self.replicated[0] <= 2 * interval + 1 else None
 
     def sending(self) -> bool:
         """Whether this rank's last replica is still being put and handed to its holders."""
