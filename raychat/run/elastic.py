@@ -283,6 +283,10 @@ class ElasticSignals:
         self.save_request = None
         try:
             return bool(ray.get(ready[0]))
+        except ray.exceptions.ActorUnavailableError:
+            # Unreachable for now (Ray's word: "may be available later"): this reply is lost, the next
+            # step's is read. (A RayActorError too: it must not end the polling below.)
+            return False
         except ray.exceptions.RayActorError:
             # Ended by the driver that took the run over (`end_coordinator_taken_over`): nothing will
             # ask for a save; the lease's fence stops these workers at their next save.
