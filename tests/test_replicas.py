@@ -77,6 +77,8 @@ def test_the_storage_cadence_leans_on_peer_memory_only_while_a_peer_holds_a_rece
         # 22 replicated; 13 is held by all, so a whole set exists, 9 steps apart: the interval they keep
         peered.replicated.append(22)
         assert peered.peer_interval(25, [13, 13]) == 9 and peered.peer_interval(25, [22, 13]) == 9
+        # ... and once 22 landed everywhere, saves up to 2 x 9 + 1 steps on lean on it (the next send going)
+        assert peered.peer_interval(41, [22, 22]) == 9 and peered.peer_interval(42, [22, 22]) is None
         # every send failing (the holders gone) while replication goes on: the held steps fall behind
         peered.replicated.append(25)
         assert peered.peer_interval(26, [13, 13]) is None

@@ -168,14 +168,14 @@ class Replicator:
         of each rank (then every rank holds the oldest: a whole set). Sends slower than the interval (a
         loaded host, a holder starting) skip steps but keep up: the interval they keep is the gap
         between the last two. A send in flight skips every step after it on all ranks, so while a
-        hung holder keeps one going (up to HOLDER_CALL_S) nothing above moves: a set older than two
-        such intervals and a step is stale."""
+        hung holder keeps one going (up to HOLDER_CALL_S) nothing above moves: a set held for two such
+        intervals and a step is stale."""
         if len(self.holders) < 2 or self.every < 1 or not held_steps or None in held_steps:
             return None
         if len(self.replicated) < REPLICA_KEEP_STEPS or min(held_steps) < self.replicated[0]:
             return None
         interval = max(self.every, self.replicated[-1] - self.replicated[0])
-        return interval if step - self.replicated[0] <= 2 * interval + 1 else None
+        return interval if step - min(held_steps) <= 2 * interval + 1 else None
 
     def sending(self) -> bool:
         """Whether this rank's last replica is still being put and handed to its holders."""
