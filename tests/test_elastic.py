@@ -298,7 +298,10 @@ def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tin
 
     line = re.search(r"^(Lost \d+ worker\(s\)|A worker failed): continuing on \d+ from step (\d+) "
                      r"\(checkpoint_(\d+)\); \d+ steps redone$", logs, re.M)
-    assert line and int(line.group(2)) == int(line.group(3)) == saved_before_loss[0], logs[-4000:]
+    said = "\n".join(re.findall(r"^(?:Lost|A worker|Resumed|Starting|Checkpoint cadence|Memory replicas)\b"
+                                r".*$", logs, re.M))
+    assert line and int(line.group(2)) == int(line.group(3)) == saved_before_loss[0], \
+        f"lost at step {lost[0]}, newest checkpoint then {saved_before_loss[0]}:\n{said}"
     cadence = peer_cadence.search(logs)
     assert float(cadence.group(2)) >= 30, logs[-4000:]  # the cap's minute, less a write
     assert world_sizes_by_attempt(trace)[0] == 3

@@ -142,7 +142,8 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
                 victim = last[1]["pid"]
             else:
                 time.sleep(0.05)
-        assert victim is not None, f"rank 1 never trained 1-9 steps past a save whose replica was whole: {seen}"
+        assert victim is not None, f"rank 1 never trained 1-9 steps past a save whose replica was whole: " \
+                                   f"{seen}"
         os.kill(victim, signal.SIGKILL)
         crashed_out, _ = crashed.communicate(timeout=400)
         crashed_wall = time.time() - launched
