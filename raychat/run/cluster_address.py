@@ -8,13 +8,46 @@ one line within seconds. With no RAY_ADDRESS, `ray.init()` would join the cluste
 num_cpus: LOCAL asks for a new instance instead.
 """
 
+import os
 import re
+import socket
 
 from raychat.common import RaychatError, unreachable
 from raychat.run.ray_internals import gcs_refusal
 
 HOST_PORT = re.compile(r"[^\s/:]+:\d+")
 LOCAL = "local"  # ray.init's address for "a new instance, never the recorded cluster"
+# What an HTTP/2 client sends first (RFC 9113 3.4): the preface and an empty SETTINGS frame.
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+SETTINGS_FRAME = 4
+
+
+def speaks_http2(host: str, port: int, timeout_s: float = 2.0) -> bool | None:
+    """Whether the server at host:port answers HTTP/2's connection preface with a SETTINGS frame, as
+    every gRPC server does (a GCS is one): True; False when it answers with anything else or hangs up
+    (an HTTP/1 server such as the dashboard says "400 Bad Request"); None when it says nothing within
+    `timeout_s`. A check of milliseconds that spares a user who typed the dashboard's port the GCS
+    client's 15 s of retries (`gcs_refusal`); only a plaintext GCS can be told so (RAY_USE_TLS: not
+    asked)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            conn.sendall(HTTP2_PREFACE)
+            head = b""
+            while len(head) < 9:  # a frame's header: length (3 bytes), type, flags, stream (4)
+                chunk = conn.recv(9 - len(head))
+                if not chunk:
+                    return False
+                head += chunk
+    except (ConnectionResetError, BrokenPipeError):  # hung up on the preface: no gRPC server does
+        return False
+    except OSError:  # a timeout included: undecided, the GCS client's check says
+        return None
+    return head[3] == SETTINGS_FRAME and head[5:] == bytes(4)
+
+
+def tls_on() -> bool:
+    """Whether Ray's gRPC channels use TLS here (Ray reads RAY_USE_TLS as 1/true)."""
+    return os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true")
 
 
 def check_cluster_answers(address: str) -> None:
@@ -29,7 +62,7 @@ def check_cluster_answers(address: str) -> None:
         raise RaychatError(f"RAY_ADDRESS={address}: no Ray cluster answers there ({reason}): start one "
                            "(`ray start --head`), fix the address, or unset RAY_ADDRESS to run on a local "
                            "Ray instance")
-    refusal = gcs_refusal(address)
+    refusal = "not a GCS" if not tls_on() and speaks_http2(host, int(port)) is False else gcs_refusal(address)
     if refusal == "token":
         raise RaychatError(f"RAY_ADDRESS={address}: the cluster refuses this driver's token (none, or "
                            "another): set RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN or "
