@@ -62,14 +62,19 @@ def follow(proc: subprocess.Popen, lines: "queue.Queue[tuple[float, str | None]]
 
 
 def stop_processes_under(marker: str) -> None:
-    """Stop every process whose command line mentions `marker` (a cluster's session directory)."""
+    """Stop every process whose command line mentions `marker` (a cluster's session directory), and
+    their children: a raylet's agents retitle themselves ("ray::DashboardAgent") and, their raylet
+    gone, linger for minutes."""
     import psutil
 
-    procs = []
+    found: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             if p.pid != os.getpid() and marker in " ".join(p.info["cmdline"] or []):
-                procs.append(p)
+                found[p.pid] = p
+                found.update((child.pid, child) for child in p.children(recursive=True))
+    found.pop(os.getpid(), None)
+    procs = list(found.values())
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGTERM)
