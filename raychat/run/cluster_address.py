@@ -11,6 +11,7 @@ num_cpus: LOCAL asks for a new instance instead.
 import os
 import re
 import socket
+import ssl
 
 from raychat.common import RaychatError, unreachable
 from raychat.run.ray_internals import gcs_refusal
@@ -45,6 +46,22 @@ def speaks_http2(host: str, port: int, timeout_s: float = 2.0) -> bool | None:
     return head[3] == SETTINGS_FRAME and head[5:] == bytes(4)
 
 
+def speaks_tls(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether the server at host:port is a TLS server: it completes a handshake, or answers one with
+    a TLS alert (a cluster with RAY_USE_TLS asks for a client certificate). Only the protocol is
+    asked, no certificate is checked; asked once a plaintext HTTP/2 preface was refused, to say why."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])  # gRPC's
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn, context.wrap_socket(conn):
+            return True
+    except ssl.SSLError as e:
+        return "ALERT" in (e.reason or "")  # the peer spoke TLS to refuse us
+    except OSError:
+        return False
+
+
 def tls_on() -> bool:
     """Whether Ray's gRPC channels use TLS here (Ray reads RAY_USE_TLS as 1/true)."""
     return os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true")
@@ -63,6 +80,10 @@ def check_cluster_answers(address: str) -> None:
                            "(`ray start --head`), fix the address, or unset RAY_ADDRESS to run on a local "
                            "Ray instance")
     refusal = "not a GCS" if not tls_on() and speaks_http2(host, int(port)) is False else gcs_refusal(address)
+    if refusal == "not a GCS" and not tls_on() and speaks_tls(host, int(port)):
+        raise RaychatError(f"RAY_ADDRESS={address}: the server there speaks TLS (a Ray cluster started with "
+                           "RAY_USE_TLS=1, or an HTTPS server): for such a cluster set RAY_USE_TLS=1 and "
+                           "RAY_TLS_SERVER_CERT, RAY_TLS_SERVER_KEY and RAY_TLS_CA_CERT as on its nodes")
     if refusal == "token":
         raise RaychatError(f"RAY_ADDRESS={address}: the cluster refuses this driver's token (none, or "
                            "another): set RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN or "
