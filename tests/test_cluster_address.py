@@ -8,7 +8,6 @@ import datetime
 import socket
 import threading
 from concurrent import futures
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import pytest
@@ -16,32 +15,18 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from helpers import HubServer
 
 from raychat.common import RaychatError
 from raychat.run import cluster_address
 from raychat.run.cluster_address import check_cluster_answers, speaks_http2, speaks_tls
 
 
-class _Ok(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 -- http.server's name
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def http1_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    """The port of an HTTP/1 server (the local Hub the download tests use, serving nothing here)."""
+    with HubServer({}) as hub:
+        yield int(hub.url.rsplit(":", 1)[1])
 
 
 @pytest.fixture

@@ -74,13 +74,15 @@ def check_cluster_answers(address: str) -> None:
     address = address.strip()
     if not HOST_PORT.fullmatch(address):
         return
-    host, port = address.rsplit(":", 1)
-    if (reason := unreachable(host, int(port))) is not None:
+    host, port_text = address.rsplit(":", 1)
+    port = int(port_text)
+    if (reason := unreachable(host, port)) is not None:
         raise RaychatError(f"RAY_ADDRESS={address}: no Ray cluster answers there ({reason}): start one "
                            "(`ray start --head`), fix the address, or unset RAY_ADDRESS to run on a local "
                            "Ray instance")
-    refusal = "not a GCS" if not tls_on() and speaks_http2(host, int(port)) is False else gcs_refusal(address)
-    if refusal == "not a GCS" and not tls_on() and speaks_tls(host, int(port)):
+    plaintext = not tls_on()  # (a TLS cluster refuses any plaintext probe)
+    refusal = "not a GCS" if plaintext and speaks_http2(host, port) is False else gcs_refusal(address)
+    if refusal == "not a GCS" and plaintext and speaks_tls(host, port):
         raise RaychatError(f"RAY_ADDRESS={address}: the server there speaks TLS (a Ray cluster started with "
                            "RAY_USE_TLS=1, or an HTTPS server): for such a cluster set RAY_USE_TLS=1 and "
                            "RAY_TLS_SERVER_CERT, RAY_TLS_SERVER_KEY and RAY_TLS_CA_CERT as on its nodes")
