@@ -7,14 +7,13 @@ worker starts: a bad corpus, tokenizer or storage path fails in seconds with one
 """
 
 import argparse
-import sys
 import time
 
 from raychat.common import run_cli
 from raychat.config import add_config_flags, config_from_args, preset_note
 from raychat.data.budget import corpus_budget_lines
 from raychat.run.cadence import plan_line, replica_line
-from raychat.run.driver import connect_ray, fit_run, prepare_run, summary_lines
+from raychat.run.driver import connect_ray, disconnect_ray, fit_run, prepare_run, summary_lines
 from raychat.scaling import format_plan
 
 EPILOG = """\
@@ -46,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     result = fit_run(run)
     print("\n".join(summary_lines(run, result, time.time() - t0)), flush=True)
-    sys.stdout.flush()
+    disconnect_ray()
     return 0
 
 

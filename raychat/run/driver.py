@@ -273,6 +273,13 @@ def connect_ray(cfg: TrainConfig) -> None:
     print(ray_line(context.address_info.get("gcs_address", ""), context.dashboard_url, joined), flush=True)
 
 
+def disconnect_ray() -> None:
+    """Leave the cluster (or stop the local instance) once the run is over. Ray does it at exit as
+    well, but first sleeps 0.5 s for the workers' last log lines: a finished run's came before fit()
+    returned (Ray Train ends a run at its next poll of the workers, after their last line)."""
+    ray.shutdown()
+
+
 def ray_line(address: str, dashboard: str | None, joined: bool) -> str:
     """raychat's one line about Ray, in place of Ray's own (raychat.run.quiet): the cluster, its
     dashboard and, where token authentication is on (a local Ray's default), how to get the token the
