@@ -9,7 +9,7 @@ import sys
 import warnings
 
 import pytest
-from helpers import STEP_LINE, VAL_LINE, gone_cluster_recorded, log_lines, tiny_flags
+from helpers import STEP_LINE, VAL_LINE, gone_cluster_recorded, log_lines, modules_loaded_by, tiny_flags
 from run_output import foreign_lines
 
 from raychat.run import quiet
@@ -50,6 +50,14 @@ def test_tiny_run_calls_no_deprecated_ray_api_and_logs_no_chatter(ray_session, t
     # The log is the run's (tests/run_output.py): nothing of Ray's, no traceback from its actors.
     assert foreign_lines(result.stdout) == [], foreign_lines(result.stdout)
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_a_process_of_the_run_starts_without_loading_ray_train_ray_data_or_torch():
+    """Every Ray worker process of a run runs the setup hook as it starts (raychat.run.runtime_env):
+    the replica holders and the coordinator too, which never use Ray Train or Ray Data. Loading both
+    there cost each process ~1 s of CPU at every run's start, on the CPUs its workers start on."""
+    code = "import ray\nfrom raychat.run.runtime_env import set_up_worker_process\nset_up_worker_process()"
+    assert not modules_loaded_by(code, "ray.train", "ray.data", "torch")
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ def test_controller_callback_hooks_and_states_exist():
 def test_train_context_carries_the_preemption_info():
     context = _module("ray.train.v2._internal.execution.context")
     preemption = _module("ray.train.v2._internal.execution.preemption")
-    assert callable(_module("raychat.run.ray_internals").get_train_context), NEEDED
+    assert callable(_require(context, "get_train_context", context.__name__)), NEEDED
     fields = getattr(_require(context, "TrainContext", context.__name__), "__dataclass_fields__", {})
     assert "preemption_context" in fields, f"TrainContext has no `preemption_context` ({NEEDED})"
     PreemptionContext = _require(preemption, "PreemptionContext", preemption.__name__)

@@ -42,6 +42,7 @@ from raychat.run.core_metric import core_due, evaluate_core
 from raychat.run.elastic import ElasticSignals, notice_margin
 from raychat.run.holders import Replica
 from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
+from raychat.run.quiet import quiet_ray
 from raychat.run.ray_internals import preemption_deadline
 from raychat.run.step import train_step
 from raychat.run.validation import SAMPLE_PROMPTS, evaluate_bpb
@@ -287,6 +288,7 @@ def train_loop_per_worker(config: dict) -> None:
     corpus that no longer fits the checkpoint's cursor, a wrong tokenizer): no retry can succeed,
     and with --max-failures -1 the run would loop forever. So the error is left in the stop note
     and a retry of this session ends at once, without an error, for the driver to report it."""
+    quiet_ray()  # again: Ray Data's console handler came with its import, after the setup hook's call
     run_config = WorkerRunConfig.from_dict(config, where="train_loop_config")
     cfg = run_config.train_config
     note = read_stop_note(cfg.storage_path, cfg.name)

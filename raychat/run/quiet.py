@@ -29,6 +29,7 @@ runs a tiny training so).
 
 import logging
 import os
+import sys
 import warnings
 
 from raychat.run.ray_internals import (
@@ -75,11 +76,12 @@ def chatty_loggers() -> list[logging.Logger]:
 
 
 def quiet_ray(main_is_raychat: bool = False) -> None:
-    """Silence Ray's chatter in this process (after Ray Data is imported: its import configures its
-    loggers); RAYCHAT_VERBOSE=1 leaves everything as Ray has it. `main_is_raychat`: this process
-    runs a raychat command as __main__ (the driver), whose calls count as raychat's own."""
-    import ray.data  # noqa: F401  (configures Ray Data's loggers; ours must come after)
-
+    """Silence Ray's chatter in this process; RAYCHAT_VERBOSE=1 leaves everything as Ray has it.
+    `main_is_raychat`: this process runs a raychat command as __main__ (the driver), whose calls count
+    as raychat's own. Loggers and warning filters set here hold for modules imported later; Ray Data's
+    console handler is made by Ray Data's import, so it is quieted only once ray.data is loaded: a
+    process that loads it after this call (a Train worker, after the setup hook) calls it again.
+    Nothing is imported for it: every process of the run calls this as it starts."""
     if os.environ.get(STRICT_ENV, "") not in ("", "0"):
         ours = r"raychat\.|__main__$" if main_is_raychat else r"raychat\."
         warnings.filterwarnings("error", category=DeprecationWarning, module=ours)
@@ -95,5 +97,6 @@ def quiet_ray(main_is_raychat: bool = False) -> None:
     progress = logging.getLogger(name)
     if not any(isinstance(f, DropNotice) for f in progress.filters):
         progress.addFilter(DropNotice(prefix))
-    for handler in ray_data_console_handlers():
-        handler.setLevel(logging.WARNING)  # the console; the session's ray-data.log keeps INFO
+    if "ray.data" in sys.modules:
+        for handler in ray_data_console_handlers():
+            handler.setLevel(logging.WARNING)  # the console; the session's ray-data.log keeps INFO

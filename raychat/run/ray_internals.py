@@ -17,21 +17,18 @@ from contextlib import contextmanager
 from subprocess import list2cmdline
 
 import psutil
+import ray
 import ray._private.utils as ray_utils
 import ray.exceptions
-import ray.train.v2._internal.execution.context as train_context
 from ray._private import ray_constants
 from ray._private.ray_logging import global_worker_stdstream_dispatcher
 from ray._raylet import InnerGcsClient
 from ray.experimental import internal_kv
-from ray.train.v2._internal.callbacks import DatasetsCallback
-from ray.train.v2._internal.execution.callback import ControllerCallback
-from ray.train.v2._internal.execution.context import get_train_context
-from ray.train.v2._internal.execution.controller.state import (
-    ReschedulingState,
-    ResizingState,
-    RestartingState,
-)
+
+# Ray Train's private names are imported where they are used, not here: every Ray worker process of
+# a run imports this module as it starts (raychat.run.runtime_env's setup hook), and importing
+# ray.train there cost each replica holder, the coordinator and every Ray Data task process ~1 s of
+# CPU it never used.
 
 # The dispatcher that hands every batch of worker output forwarded to the driver to its printers
 # (`handlers`, `add_handler`, `remove_handler`). Ray has no public per-line opt-out of its
@@ -43,7 +40,22 @@ STDSTREAM_DISPATCHER = global_worker_stdstream_dispatcher
 # restart after a failure); `before_controller_execute_resize_decision` runs before the old group is
 # shut down. ray.train offers no public callback at those points; raychat saves before a planned
 # resize and refreshes the cluster view before a restart there.
-__all__ = ["ControllerCallback", "ReschedulingState", "ResizingState", "RestartingState"]
+CONTROLLER_NAMES = {
+    "ControllerCallback": "ray.train.v2._internal.execution.callback",
+    "ReschedulingState": "ray.train.v2._internal.execution.controller.state",
+    "ResizingState": "ray.train.v2._internal.execution.controller.state",
+    "RestartingState": "ray.train.v2._internal.execution.controller.state",
+}
+__all__ = list(CONTROLLER_NAMES)
+
+
+def __getattr__(name: str) -> object:
+    """The controller hooks and states above, imported when first asked for (raychat.run.elastic)."""
+    if name not in CONTROLLER_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(CONTROLLER_NAMES[name]), name)
 
 # The named actor (name, namespace) of Ray Data's autoscaling coordinator, which Ray Train's elastic
 # policy asks how many workers fit. It re-reads the cluster only every 20 s unless asked to with
@@ -59,6 +71,8 @@ def without_dataset_manager(callbacks: list, datasets: dict) -> list:
     sends the driver's Ray Data context to every worker, whether or not a worker ever asks for a
     dataset shard. raychat's workers never do: each builds its own pipeline (raychat.data.loader).
     Nothing public leaves it out."""
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+
     if datasets:
         return callbacks
     return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
@@ -125,6 +139,8 @@ def preemption_deadline() -> float | None:
     seconds, 0.0 for a notice without a deadline; None without a notice. Read from the worker's own
     train context: the public ray.train.get_preemption_info() is a barrier across all workers, too
     costly to call every step."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
     context = getattr(get_train_context(), "preemption_context", None)
     info = getattr(context, "preemption_info", None)
     return None if info is None else (info.deadline_ms or 0) / 1000
@@ -160,7 +176,9 @@ CHATTY_LOGGERS = {
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 # Ray Train's logger of "Reporting training result N: TrainingReport(...)" at every report (INFO):
 # `logging.getLogger(__file__)` in ray/train/v2/_internal/execution/context.py.
-TRAIN_REPORT_LOGGER = train_context.__file__
+# (Its path, without importing it: the setup hook silences it in every process as it starts.)
+TRAIN_REPORT_LOGGER = os.path.join(os.path.dirname(ray.__file__), "train", "v2", "_internal", "execution",
+                                   "context.py")
 
 
 # Ray Data's logging (ray/data/_internal/logging.py, DEFAULT_CONFIG, applied when ray.data is
