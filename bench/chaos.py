@@ -54,6 +54,7 @@ from bench.chaos_report import audit_run, machine, print_table, run_ledger, writ
 from bench.multinode import (
     TRAIN,
     add_node,
+    kill_node,
     local_cluster,
     node_of_pid,
     prepare_inputs,
@@ -293,7 +294,7 @@ class ChaosRun:
                            check=True, capture_output=True, text=True, timeout=60)
             reclaim_at = time.monotonic() + DRAIN_DEADLINE_S
             self.wait_for(lambda: time.monotonic() > reclaim_at, "the drain deadline")
-        self.ctx.cluster.remove_node(node, allow_graceful=False)
+        kill_node(self.ctx.cluster, node)
         self.ctx.nodes.remove(node)
         self.disrupted(fault)
         self.wait_for(self.recovered, "a step after the node loss")
@@ -342,7 +343,7 @@ class ChaosRun:
         rank, pid = self.target(fault)
         node = node_of_pid(self.ctx.nodes, pid)
         starts_before, said_before = len(self.start_records()), len(self.restart_lines())
-        self.ctx.cluster.remove_node(node, allow_graceful=False)
+        kill_node(self.ctx.cluster, node)
         self.ctx.nodes.remove(node)
         self.disrupted(fault)
         # The driver's line comes through Ray's log streaming, later than the trace: wait for this

@@ -107,6 +107,20 @@ def add_node(cluster, temp_dir: str | None = None):
     return cluster.add_node(**NODE, **({"temp_dir": temp_dir} if temp_dir else {}))
 
 
+def kill_node(cluster, node) -> None:
+    """`node` gone without notice, as a reclaimed VM goes: its raylet and every process it started,
+    killed at once, then dropped from `cluster`. (`remove_node` alone kills the raylet and its store
+    but not its workers, which find their raylet gone only at their next call to it: a Train worker
+    went on training, and saved a checkpoint, for seconds on a node already lost.)"""
+    import psutil
+
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    for process in [raylet, *raylet.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    cluster.remove_node(node, allow_graceful=False)
+
+
 def node_of_pid(nodes: list, pid: int):
     """The Cluster node whose raylet started process `pid` (each node is its own raylet here)."""
     import psutil

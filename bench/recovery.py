@@ -3,7 +3,7 @@ with the cluster settings the README recommends.
 
 A `ray.cluster_utils.Cluster` on this machine (a head without CPUs and two 1-CPU worker nodes, each
 its own raylet and object store) runs `python -m raychat.train --num-workers 1:2` on a tiny model. At
-step 20 one node is killed without notice (`remove_node(allow_graceful=False)`, a spot reclaim);
+step 20 one node is killed without notice (its raylet and every process on it killed at once, a spot reclaim);
 after 10 steps on one worker it is added back. From the driver's output, timestamped as it arrives:
 
   loss -> step    seconds from the node's death to the next step line (the run shrank to 1)
@@ -35,6 +35,7 @@ from bench.multinode import (
     STEP,
     add_node,
     follow,
+    kill_node,
     local_cluster,
     prepare_inputs,
     start_driver,
@@ -84,7 +85,7 @@ def follow_recovery(name: str, cluster, nodes: list, proc, show_timeline: bool) 
                 continue
             last_step = int(match.group(1))
             if "loss" not in events and last_step >= 20:
-                cluster.remove_node(nodes.pop(), allow_graceful=False)
+                kill_node(cluster, nodes.pop())
                 events["loss"] = time.monotonic()
             elif "loss" in events and "shrunk" not in events and workers == 1:
                 events["shrunk"], events["shrunk_step"] = t, last_step

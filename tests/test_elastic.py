@@ -28,7 +28,7 @@ from trace_audit import (
     world_sizes_by_attempt,
 )
 
-from bench.multinode import node_of_pid, stop_processes_under
+from bench.multinode import kill_node, node_of_pid, stop_processes_under
 from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
 from raychat.run.metrics_log import METRICS_FILE, parse_records
 from raychat.storage import Storage
@@ -174,7 +174,7 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
         whole = whole_replica_step(latest_by_rank(trace))
         if "lost" not in events and step >= 15 and 1 <= step % 10 <= 5 and whole is not None \
                 and whole >= step // 10 * 10:
-            c.remove_node(nodes.pop(), allow_graceful=False)  # a preempted node: no drain, no notice
+            kill_node(c, nodes.pop())  # a preempted node: no drain, no notice
             events["lost"], events["lost_at_step"], events["whole_at_loss"] = time.monotonic(), step, whole
         elif "lost" in events and "back" not in events and world_sizes_by_attempt(trace)[-1] == 2:
             nodes.append(c.add_node(**NODE, metrics_export_port=free_port()))
@@ -288,7 +288,7 @@ def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tin
         lost.append(last_traced_step(trace))
         saved_before_loss.append(saved)
         for node in nodes[:2]:  # no drain: a rack, or a zone's spot capacity, gone
-            c.remove_node(node, allow_graceful=False)
+            kill_node(c, node)
         del nodes[:2]
         nodes.extend(c.add_node(**NODE, metrics_export_port=free_port()) for _ in range(2))
 
@@ -323,7 +323,10 @@ def test_spot_notice_saves_before_the_node_goes(cluster, tiny_corpus, tmp_path):
     storage = str(tmp_path / "runs")
     trace = tmp_path / "trace"
     trace.mkdir()
-    steps = 300  # ~60 ms each here: the reclaim (step 10 + 5 s) must land well before the end
+    # ~60 ms each here. The drain comes at step 10 and the group, once it heard the notice (the
+    # `ray drain-node` command and Ray Train's 1 s poll: ~40 steps), saves and waits for the node to
+    # go; the steps after the notice are trained by the next group.
+    steps = 160
     flags = tiny_flags(tiny_corpus, storage, "spot", "--num-workers", "2", "--cpus-per-worker", "1",
                        "--placement-strategy", "SPREAD", "--total-batch-size", "1024", "--num-iterations",
                        str(steps), "--eval-every", "-1", "--save-every", "-1", "--max-failures", "0")
@@ -340,7 +343,7 @@ def test_spot_notice_saves_before_the_node_goes(cluster, tiny_corpus, tmp_path):
                            check=True, capture_output=True, text=True, timeout=60)
             reclaim["drained_at"] = time.monotonic()
         elif reclaim.get("node") is not None and time.monotonic() > reclaim["drained_at"] + deadline_s:
-            c.remove_node(reclaim["node"], allow_graceful=False)  # the cloud takes the node at the deadline
+            kill_node(c, reclaim["node"])  # the cloud takes the node at the deadline
             nodes.remove(reclaim["node"])
             reclaim["node"] = None
 

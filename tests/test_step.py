@@ -112,3 +112,16 @@ def test_callable_values_are_asked_after_the_steps_work_and_ride_on_its_all_redu
 
     assert train_step(c, 0, values).summed == [2.0, 3.5]
     assert asked == [True]
+
+
+def test_cpu_workers_split_the_cores_their_node_declared_to_ray():
+    """A node's CPU workers share its cores, up to the CPUs the node declared to Ray: 1-CPU nodes that
+    share a 2-core machine (the multi-node test clusters) get one thread per worker, not two each."""
+    from raychat.run.worker_setup import cpu_threads
+
+    assert cpu_threads(usable_cores=2, node_cpus=1.0, local_world_size=1) == 1
+    assert cpu_threads(usable_cores=64, node_cpus=64.0, local_world_size=8) == 8
+    assert cpu_threads(usable_cores=8, node_cpus=16.0, local_world_size=2) == 4  # a taskset's 8 cores
+    assert cpu_threads(usable_cores=8, node_cpus=None, local_world_size=3) == 2  # not found: the cores
+    assert cpu_threads(usable_cores=8, node_cpus=0.5, local_world_size=1) == 8  # a fraction: the cores
+    assert cpu_threads(usable_cores=2, node_cpus=2.0, local_world_size=4) == 1
