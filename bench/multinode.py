@@ -114,10 +114,12 @@ def kill_node(cluster, node) -> None:
     went on training, and saved a checkpoint, for seconds on a node already lost.)"""
     import psutil
 
-    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
-    for process in [raylet, *raylet.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
+    started = node.all_processes["raylet"][0].process
+    if started.poll() is None:  # (a raylet already dead and reaped: its pid may be another's now)
+        raylet = psutil.Process(started.pid)
+        for process in [raylet, *raylet.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
     cluster.remove_node(node, allow_graceful=False)
 
 

@@ -41,11 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     print(replica_line(run.cfg.replicate_every), flush=True)
     for line in corpus_budget_lines(run.plan, run.index, run.tokenizer):
         print(line, flush=True)
-    connect_ray(run.cfg)
+    connected_here = connect_ray(run.cfg)
     t0 = time.time()
     result = fit_run(run)
     print("\n".join(summary_lines(run, result, time.time() - t0)), flush=True)
-    disconnect_ray()
+    if connected_here:
+        disconnect_ray()
     return 0
 
 

@@ -324,9 +324,9 @@ def test_spot_notice_saves_before_the_node_goes(cluster, tiny_corpus, tmp_path):
     trace = tmp_path / "trace"
     trace.mkdir()
     # ~60 ms each here. The drain comes at step 10 and the group, once it heard the notice (the
-    # `ray drain-node` command and Ray Train's 1 s poll: ~40 steps), saves and waits for the node to
-    # go; the steps after the notice are trained by the next group.
-    steps = 160
+    # `ray drain-node` command and Ray Train's 1 s poll: ~40 steps here, more where steps are faster),
+    # saves and waits for the node to go; the steps after the notice are trained by the next group.
+    steps = 220
     flags = tiny_flags(tiny_corpus, storage, "spot", "--num-workers", "2", "--cpus-per-worker", "1",
                        "--placement-strategy", "SPREAD", "--total-batch-size", "1024", "--num-iterations",
                        str(steps), "--eval-every", "-1", "--save-every", "-1", "--max-failures", "0")

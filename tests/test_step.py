@@ -123,5 +123,5 @@ def test_cpu_workers_split_the_cores_their_node_declared_to_ray():
     assert cpu_threads(usable_cores=64, node_cpus=64.0, local_world_size=8) == 8
     assert cpu_threads(usable_cores=8, node_cpus=16.0, local_world_size=2) == 4  # a taskset's 8 cores
     assert cpu_threads(usable_cores=8, node_cpus=None, local_world_size=3) == 2  # not found: the cores
-    assert cpu_threads(usable_cores=8, node_cpus=0.5, local_world_size=1) == 8  # a fraction: the cores
+    assert cpu_threads(usable_cores=8, node_cpus=0.5, local_world_size=1) == 1  # a fraction: one core
     assert cpu_threads(usable_cores=2, node_cpus=2.0, local_world_size=4) == 1

@@ -320,7 +320,7 @@ def _train(config: WorkerRunConfig) -> None:
     w.saver.close()
     # Nothing else is waited for: Ray Train kills this process once the loop returns. The attempt
     # ended on its final save (or a stop), which storage holds whole, so a memory replica still being
-    # sent holds an older state no restart reads, and the loader's reads ahead are not needed.
+    # sent holds no newer state than storage does, and the loader's reads ahead are not needed.
     # (Waiting for both cost every run's end 1-1.5 s on a loaded 2-core host: Ray Data's executor
     # stopping, the holders' first replica; a hung holder, up to HOLDER_CALL_S.)
     if w.wandb:

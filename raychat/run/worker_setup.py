@@ -128,14 +128,18 @@ def cpu_threads(usable_cores: int, node_cpus: float | None, local_world_size: in
     declared to Ray: nodes that share a machine (ray.cluster_utils' test clusters, several raylets in
     one VM) each declare their part, and threads beyond it oversubscribe the cores the others use
     (steps of a 3-node cluster on 2 cores: 10% slower). Ray would otherwise leave one thread each."""
-    cores = min(usable_cores, int(node_cpus)) if node_cpus and node_cpus >= 1 else usable_cores
+    cores = min(usable_cores, max(1, int(node_cpus))) if node_cpus else usable_cores
     return max(1, cores // local_world_size)
 
 
 def _node_cpus() -> float | None:
-    """The CPUs this process's node declared to Ray (None: not found)."""
-    node_id = ray.get_runtime_context().get_node_id()
-    return next((n["Resources"].get("CPU") for n in ray.nodes() if n["NodeID"] == node_id), None)
+    """The CPUs this process's node declared to Ray (None: not found, or the GCS did not answer: the
+    thread count is not worth failing an attempt for)."""
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+        return next((n["Resources"].get("CPU") for n in ray.nodes() if n["NodeID"] == node_id), None)
+    except Exception:  # noqa: BLE001 -- see the docstring
+        return None
 
 
 def _set_cpu_threads(local_world_size: int) -> None:
