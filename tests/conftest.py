@@ -16,11 +16,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import pytest
 from core_bundle import write_word_bundle
-from helpers import hub_files
+from helpers import hub_files, run_train, tiny_flags
 from reused_processes import Commands, Ranks
 
 from bench.multinode import stop_processes_under
@@ -78,10 +79,13 @@ def free_port() -> int:
 class RayCluster:
     """Handle to the session's cluster: addresses for drivers, job submission and cleanup."""
 
-    def __init__(self, gcs_address: str, dashboard_url: str, temp_dir: str):
+    def __init__(self, gcs_address: str, dashboard_url: str, temp_dir: str, drivers: Commands):
         self.gcs_address = gcs_address
         self.dashboard_url = dashboard_url
         self.temp_dir = temp_dir
+        # One reused interpreter for the drivers the tests launch one after another (helpers.run_train):
+        # a driver imports torch, Ray Train and raychat first, 4 s of a 20 s tiny run on 2 cores.
+        self.drivers = drivers
 
     def driver_env(self, **extra: str) -> dict[str, str]:
         """Environment for a `python -m raychat...` subprocess that joins this cluster."""
@@ -92,7 +96,7 @@ class RayCluster:
 
 
 @pytest.fixture(scope="session")
-def ray_session(raychat_home):
+def ray_session(raychat_home, tmp_path_factory):
     """One local Ray cluster, shared by every integration test; the test process is connected."""
     import ray
 
@@ -108,11 +112,13 @@ def ray_session(raychat_home):
          f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"],
         check=True, capture_output=True, timeout=120,
     )
-    cluster = RayCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", temp_dir)
+    cluster = RayCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", temp_dir,
+                         Commands(tmp_path_factory.mktemp("drivers")))
     try:
         ray.init(address=cluster.gcs_address, log_to_driver=True)
         yield cluster
     finally:
+        cluster.drivers.close()
         ray.shutdown()
         stop_processes_under(temp_dir)
         time.sleep(0.5)
@@ -185,6 +191,32 @@ def tiny_corpus(tmp_path_factory):
         writer.add_val(docs[-40:])
     train_tokenizer(root / "data", root / "tokenizer", vocab_size=512, log=lambda *_: None)
     return root / "data", root / "tokenizer"
+
+
+@dataclass(frozen=True)
+class RunAndRerun:
+    """A run, launched and then launched again with a longer horizon (what `two_worker_run` made)."""
+
+    storage: str
+    name: str
+    flags: list[str]  # the flags both launches share (--num-iterations aside)
+    first: subprocess.CompletedProcess  # to step 16
+    rerun: subprocess.CompletedProcess  # resumed, to step 20
+
+
+@pytest.fixture(scope="session")
+def two_worker_run(ray_session, tiny_corpus, s3_endpoint) -> RunAndRerun:
+    """`python -m raychat.train` for 16 steps on 2 workers in the S3 bucket (the harder storage), then
+    the same command with `--num-iterations 20`: the launches that tests/test_train.py checks as a user
+    reads them and tests/test_report.py reports on (two Ray Train runs, shared by both)."""
+    storage, name = s3_uri(s3_endpoint, f"two-worker-run-{time.time_ns()}"), "basic"
+    flags = ["--num-workers", "2", "--total-batch-size", "1024", "--eval-every", "8", "--save-every", "4",
+             "--keep-checkpoints", "2"]
+    first = run_train(ray_session, tiny_flags(tiny_corpus, storage, name, *flags, "--num-iterations", "16"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    rerun = run_train(ray_session, tiny_flags(tiny_corpus, storage, name, *flags, "--num-iterations", "20"))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    return RunAndRerun(storage, name, flags, first, rerun)
 
 
 @pytest.fixture(scope="session")

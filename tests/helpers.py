@@ -81,9 +81,10 @@ def tiny_flags(tiny_corpus: tuple[Path, Path], storage: str | Path, run_name: st
 
 def run_train(cluster: "RayCluster", flags: list[str], timeout: int = 400,
               **env: str) -> subprocess.CompletedProcess:
-    """`python -m raychat.train` as a user runs it, joined to `cluster`, with extra environment."""
-    return subprocess.run([sys.executable, "-m", "raychat.train", *flags], capture_output=True, text=True,
-                          timeout=timeout, env=cluster.driver_env(**env))
+    """`python -m raychat.train` as a user runs it, joined to `cluster`, with extra environment, in the
+    session's reused driver interpreter (tests/reused_processes.py: what it keeps between commands, and
+    what it gives each one afresh). A test that signals, pauses or races drivers starts real processes."""
+    return cluster.drivers.run("raychat.train", *flags, env=cluster.driver_env(**env), timeout=timeout)
 
 
 def modules_loaded_by(code: str, *modules: str) -> set[str]:

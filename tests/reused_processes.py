@@ -78,6 +78,9 @@ for line in requests:
         os.close(opened)
     try:
         code = run(module)
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():  # what the interpreter's exit does for a driver
+            ray.shutdown(_exiting_interpreter=True)  # whose command returned connected (an error's)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -32,8 +32,12 @@ def core_run(ray_session, tiny_corpus, tmp_path_factory):
 
 def run_evaluate(cluster, storage, bundle, tokenizer_dir, *extra: str,
                  **env: str) -> subprocess.CompletedProcess:
+    """`python -m raychat.evaluate core ...` on the session's cluster, in its reused driver interpreter;
+    in a process of its own where the test points RAY_ADDRESS elsewhere (a local instance, nothing)."""
     command = ["core", "--run-name", "core", "--storage-path", str(storage),
                "--tokenizer-dir", str(tokenizer_dir), "--eval-bundle", str(bundle), *extra]
+    if "RAY_ADDRESS" not in env:
+        return cluster.drivers.run("raychat.evaluate", *command, env=cluster.driver_env(**env), timeout=300)
     return subprocess.run([sys.executable, "-m", "raychat.evaluate", *command], capture_output=True,
                           text=True, timeout=300, env=cluster.driver_env(**env))
 

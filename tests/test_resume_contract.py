@@ -2,7 +2,6 @@
 corpus either continue correctly or are refused in one line before any worker starts, and no
 checkpoint is lost to them."""
 
-import os
 import re
 import shutil
 import signal
@@ -173,15 +172,14 @@ def test_reruns_of_a_run_continue_or_are_refused_and_lose_nothing(ray_session, t
 
 
 @pytest.mark.ray
-def test_a_grown_corpus_is_refused_before_any_worker(ray_session, tiny_corpus, tmp_path):
+def test_a_grown_corpus_is_refused_before_any_worker(ray_session, tiny_corpus, two_worker_run, tmp_path):
+    """conftest's `two_worker_run` (in the bucket, at step 20), re-run on its corpus re-prepared with
+    more documents: the driver refuses it, and nothing of the run changes."""
     data_dir, _ = tiny_corpus
     grown = tmp_path / "grown"
     shutil.copytree(data_dir, grown)
-    storage = tmp_path / "storage"
-    flags = ["--num-workers", "1", "--total-batch-size", "512", "--eval-every", "-1", "--save-every", "2",
-             "--max-failures", "-1"]
-    first = run_train(ray_session, tiny_flags(tiny_corpus, storage, "run", *flags, "--num-iterations", "2"))
-    assert first.returncode == 0, first.stderr[-3000:]
+    run = Storage(two_worker_run.storage).child(two_worker_run.name)
+    before = all_files(run)
     # One more train shard (the corpus was re-prepared with more documents).
     shards = sorted(grown.glob("shard_*.parquet"))
     texts = [t for s in shards for t in pq.read_table(s)["text"].to_pylist()]
@@ -190,14 +188,16 @@ def test_a_grown_corpus_is_refused_before_any_worker(ray_session, tiny_corpus, t
     with CorpusWriter(grown, docs_per_shard=40) as writer:
         writer.add_train(texts[:-40] + texts[:40])
         writer.add_val(texts[-40:])
-    rerun = tiny_flags(tiny_corpus, storage, "run", *flags, "--num-iterations", "4")
+    # --max-failures -1: a refusal a worker made (not the driver) would retry it without end
+    rerun = tiny_flags(tiny_corpus, two_worker_run.storage, two_worker_run.name, *two_worker_run.flags,
+                       "--num-iterations", "24", "--max-failures", "-1")
     rerun[rerun.index("--data-dir") + 1] = str(grown)
-    result = run_train(ray_session, rerun, timeout=300)  # --max-failures -1 once retried it without end
+    result = run_train(ray_session, rerun, timeout=300)
     line = one_error_line(result)
     saved, now = map(int, re.search(r"corpus of (\d+) train row groups, but .* has (\d+)", line).groups())
     assert now == saved + 1 and str(grown) in line and "new --run-name" in line
     assert "Resumed from" not in result.stdout + result.stderr  # refused by the driver
-    assert os.path.exists(storage / "run" / "checkpoint_000002")
+    assert all_files(run) == before
 
 
 def test_a_rank_with_another_tokenizer_is_refused_in_one_line(tiny_corpus, tmp_path):

@@ -8,8 +8,6 @@ input a user can get wrong is refused through the real command in one line namin
 import dataclasses
 import json
 import pickle
-import subprocess
-import sys
 import time
 
 import pytest
@@ -216,7 +214,7 @@ def test_init_from_nanochat_names_a_garbage_token_bytes_or_model_file(tiny_corpu
 
 @pytest.mark.ray
 def test_a_run_with_credentials_in_its_uris_prints_and_stores_none(ray_session, tiny_corpus, tmp_path,
-                                                                   s3_endpoint):
+                                                                   s3_endpoint, commands):
     prefix = f"secrets-{time.time_ns()}"
     for name, local in zip(("data", "tokenizer"), tiny_corpus, strict=True):
         copy_to_bucket(local, s3_uri(s3_endpoint, f"{prefix}/{name}"))
@@ -253,8 +251,7 @@ def test_a_run_with_credentials_in_its_uris_prints_and_stores_none(ray_session, 
     readers = [["raychat.report", "--run-name", "secret", "--storage-path", runs, "--out", str(tmp_path)],
                ["raychat.status", "--run-name", "secret", "--storage-path", runs, "--storage-only"]]
     for command in [["raychat.train", *flags] for flags in refusals] + readers:
-        done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=300,
-                              env=ray_session.driver_env())
+        done = commands.run(*command, env=ray_session.driver_env(), timeout=300)
         assert_no_secret(done.stdout + done.stderr, command[0])
         if command[0] == "raychat.train":
             assert "s3://***@" in one_error_line(done)

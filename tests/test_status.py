@@ -27,7 +27,7 @@ def wait_for_steps(run: Storage, proc: subprocess.Popen, steps: int, timeout_s: 
 
 
 @pytest.mark.parametrize("storage", ["local"], indirect=True)
-def test_status_of_a_running_run(ray_session, tiny_corpus, storage):
+def test_status_of_a_running_run(ray_session, tiny_corpus, storage, commands):
     flags = tiny_flags(tiny_corpus, storage, "live", "--num-workers", "1", "--total-batch-size", "1024",
                        "--num-iterations", "5000", "--eval-every", "2", "--save-every", "2")
     proc = subprocess.Popen([sys.executable, "-m", "raychat.train", *flags], stdout=subprocess.DEVNULL,
@@ -36,8 +36,7 @@ def test_status_of_a_running_run(ray_session, tiny_corpus, storage):
         wait_for_steps(Storage(storage).child("live"), proc, steps=3)
         command = ["raychat.status", "--run-name", "live", "--storage-path", storage,
                    "--address", ray_session.dashboard_url]
-        result = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120,
-                                env=ray_session.driver_env())
+        result = commands.run(*command, env=ray_session.driver_env(), timeout=120)
     finally:
         proc.terminate()
         try:
@@ -54,10 +53,10 @@ def test_status_of_a_running_run(ray_session, tiny_corpus, storage):
     assert re.search(r"^  last eval at step \d+: val bpb \d+\.\d{4}$", out, re.M), out
 
 
-def test_a_dashboard_that_is_not_there_is_one_line(tmp_path):
+def test_a_dashboard_that_is_not_there_is_one_line(tmp_path, commands):
     command = ["raychat.status", "--run-name", "x", "--storage-path", str(tmp_path),
                "--address", "http://127.0.0.1:9"]
-    result = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120)
+    result = commands.run(*command, timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("raychat: error: no Ray dashboard at http://127.0.0.1:9")
     assert len(result.stderr.strip().splitlines()) == 1

@@ -213,9 +213,9 @@ def interrupted_sweep(ray_session, tiny_corpus, s3_endpoint, tmp_path_factory):
     # between the poll above and the signal).
     finished = [t for t, s in _trial_status(experiment).items() if s == "TERMINATED"]
     before = {t: experiment.child(t).read_bytes("result.json") for t in finished}
-    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ray_session.driver_env())
-    report = subprocess.run([sys.executable, "-m", "tune.report", "--name", "tiny",
-                             "--storage-path", storage], capture_output=True, text=True, timeout=120)
+    # The re-run and the report in the session's reused driver interpreter (helpers.run_train).
+    second = ray_session.drivers.run(*cmd[2:], env=ray_session.driver_env(), timeout=600)
+    report = ray_session.drivers.run("tune.report", "--name", "tiny", "--storage-path", storage, timeout=120)
     return {"experiment": experiment, "finished_first": finished, "before": before, "first_rc": first_rc,
             "first_out": first_log.read_text(), "second": second, "report": report, "cmd": cmd,
             "storage": storage}
@@ -307,7 +307,7 @@ def test_a_trial_whose_run_is_done_already_ends_finished_with_its_final_result(r
     _copy_tree(done, Storage(s["storage"]).child("done", "runs", "d2_r0.004"))
     cmd = list(s["cmd"])
     cmd[cmd.index("--depths") + 1], cmd[cmd.index("--name") + 1] = "2", "done"
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ray_session.driver_env())
+    out = ray_session.drivers.run(*cmd[2:], env=ray_session.driver_env(), timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "nothing to train" in out.stdout + out.stderr
     (trial,) = load_sweep(Storage(s["storage"]).child("done").location)

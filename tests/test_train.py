@@ -25,6 +25,7 @@ from helpers import (
     submit_job,
     tiny_flags,
 )
+from reused_processes import Commands
 from run_output import foreign_lines
 from trace_audit import assert_epoch1_exactly_once, attempts_by_step, latest_by_rank, whole_replica_step
 
@@ -39,23 +40,19 @@ def checkpoint_names(run: Storage) -> list[str]:
     return sorted(c.name for c in list_checkpoints(run))
 
 
-def run_sample(storage: str, run_name: str, tokenizer_dir, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "raychat.sample", "--run-name", run_name, "--storage-path",
-                           storage, "--tokenizer-dir", str(tokenizer_dir), "--prompt", "The", *extra],
-                          capture_output=True, text=True, timeout=120)
+def run_sample(commands: Commands, storage: str, run_name: str, tokenizer_dir,
+               *extra: str) -> subprocess.CompletedProcess:
+    return commands.run("raychat.sample", "--run-name", run_name, "--storage-path", storage,
+                        "--tokenizer-dir", tokenizer_dir, "--prompt", "The", *extra, timeout=120)
 
 
 # In the bucket only (the harder case, and one Ray Train run less for the suite): checkpoints on local
-# disk are written, listed, pruned and resumed by the same Storage code in every other run here.
-@pytest.mark.parametrize("storage", ["s3"], indirect=True)
-def test_two_workers_learn_log_checkpoint_sample_and_resume(ray_session, tiny_corpus, tmp_path, storage):
+# disk are written, listed, pruned and resumed by the same Storage code in every other run here. The run
+# and its rerun are conftest's `two_worker_run`, which tests/test_report.py reports on.
+def test_two_workers_learn_log_checkpoint_sample_and_resume(two_worker_run, ray_session, tiny_corpus,
+                                                            tmp_path, commands):
     data_dir, tokenizer_dir = tiny_corpus
-    flags = ["--num-workers", "2", "--total-batch-size", "1024", "--eval-every", "8", "--save-every", "4",
-             "--keep-checkpoints", "2"]
-    result = run_train(ray_session, tiny_flags(tiny_corpus, storage, "basic", *flags,
-                                               "--num-iterations", "16"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    storage, out = two_worker_run.storage, two_worker_run.first.stdout
     assert "rows per step" in out and "tokens : scaling params" in out  # the plan is printed first
     steps = log_lines(out, STEP_LINE)
     assert [int(m.group(1)) for m in steps] == list(range(16))
@@ -67,37 +64,35 @@ def test_two_workers_learn_log_checkpoint_sample_and_resume(ray_session, tiny_co
     assert bpbs[0] > bpbs[1] > bpbs[2] and bpbs[2] < bpbs[0] - 0.1, bpbs  # it learns
     # The seven sample prompts are printed at the end.
     assert "The capital of France is" in out and "If 5*x + 3 = 13, then x is" in out
-    # Checkpoints at 4, 8, 12, 16, the two newest kept (--keep-checkpoints 2), complete, with the
-    # cursor and loop state; each save says how long it stalled training.
+    # Checkpoints at 4, 8, 12, 16, each save saying how long it stalled training, complete, with the
+    # cursor and loop state; the two newest kept (--keep-checkpoints 2): 16 and the rerun's 20.
+    saves = re.findall(r"Checkpoint checkpoint_0000(04|08|12|16) saved .* training stalled \d+ms", out)
+    assert len(saves) == 4
+    assert "min val bpb" in out and "checkpoint_000016" in out
     run = Storage(storage).child("basic")
-    assert checkpoint_names(run) == ["checkpoint_000012", "checkpoint_000016"]
+    assert checkpoint_names(run) == ["checkpoint_000016", "checkpoint_000020"]
     assert all(damage(c, deep=True) is None for c in list_checkpoints(run))
     meta = read_meta(run.child("checkpoint_000016"))
     assert meta.step == 16 and meta.world_size == 2 and meta.cursor
     assert meta.loop_state.min_val_bpb == pytest.approx(min(bpbs), abs=1e-6)
-    saves = re.findall(r"Checkpoint checkpoint_0000(04|08|12|16) saved .* training stalled \d+ms", out)
-    assert len(saves) == 4
-    assert "min val bpb" in out and "checkpoint_000016" in out
+
+    # The same run name resumed at step 16 (not 0) and trained on to 20.
+    resumed = two_worker_run.rerun.stdout
+    assert "resuming from checkpoint_000016 (step 16)" in resumed
+    assert "Resumed from" in resumed and "at step 16" in resumed
+    assert [int(m.group(1)) for m in log_lines(resumed, STEP_LINE)] == [16, 17, 18, 19]
 
     # Sampling from the run works; a tokenizer of another vocabulary is refused in one line.
-    sample = run_sample(storage, "basic", tokenizer_dir, "--max-tokens", "8")
+    sample = run_sample(commands, storage, "basic", tokenizer_dir, "--max-tokens", "8")
     assert sample.returncode == 0, sample.stderr
-    assert "step 16" in sample.stdout and "\nThe" in sample.stdout
+    assert "step 20" in sample.stdout and "\nThe" in sample.stdout
     from raychat.tokenizer.train import train_tokenizer
 
     other_tok = tmp_path / "other_tok"
     train_tokenizer(data_dir, other_tok, vocab_size=300, log=lambda *_: None)
-    line = one_error_line(run_sample(storage, "basic", other_tok))
-    assert "vocab" in line and "checkpoint_000016" in line
+    line = one_error_line(run_sample(commands, storage, "basic", other_tok))
+    assert "vocab" in line and "checkpoint_000020" in line
 
-    # The same run name resumes at step 16 (not 0) and trains on to 20.
-    resumed = run_train(ray_session, tiny_flags(tiny_corpus, storage, "basic", *flags,
-                                                "--num-iterations", "20"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from checkpoint_000016 (step 16)" in resumed.stdout
-    assert "Resumed from" in resumed.stdout and "at step 16" in resumed.stdout
-    assert [int(m.group(1)) for m in log_lines(resumed.stdout, STEP_LINE)] == [16, 17, 18, 19]
-    assert checkpoint_names(run) == ["checkpoint_000016", "checkpoint_000020"]
     # Neither run's attempt started Ray Train's Ray Data manager, an actor raychat has no use for
     # (raychat.run.driver.RaychatTrainer): one process less on every start and restart.
     from ray.util.state import list_actors
