@@ -95,6 +95,11 @@ class RayCluster:
         return env
 
 
+# What the drivers' interpreter imports first (a driver imports them all, as does a sweep): their loggers
+# are put back as they were after every command (tests/reused_processes.py).
+DRIVER_IMPORTS = ("torch", "ray", "ray.train", "ray.data", "ray.tune")
+
+
 @pytest.fixture(scope="session")
 def ray_session(raychat_home, tmp_path_factory):
     """One local Ray cluster, shared by every integration test; the test process is connected."""
@@ -113,7 +118,7 @@ def ray_session(raychat_home, tmp_path_factory):
         check=True, capture_output=True, timeout=120,
     )
     cluster = RayCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", temp_dir,
-                         Commands(tmp_path_factory.mktemp("drivers")))
+                         Commands(tmp_path_factory.mktemp("drivers"), preload=DRIVER_IMPORTS))
     try:
         ray.init(address=cluster.gcs_address, log_to_driver=True)
         yield cluster

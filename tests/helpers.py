@@ -159,6 +159,14 @@ def all_files(run: Storage) -> dict[str, bytes]:
     return files
 
 
+def copy_tree(source: Storage, target: Storage) -> None:
+    """Every file below `source` to the same place below `target` (local or in a bucket)."""
+    for f in source.files():
+        target.write_bytes(f.base_name, source.read_bytes(f.base_name))
+    for sub in source.subdirs():
+        copy_tree(source.child(sub), target.child(sub))
+
+
 def submit_job(ray_session: "RayCluster", train_flags: list[str],
                runtime_env: dict | None = None) -> tuple[str, str]:
     """`ray job submit` of a raychat.train run to the shared cluster; its final status and its logs."""

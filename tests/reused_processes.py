@@ -8,6 +8,12 @@ than most of what the tests run in them (conftest.py has the fixtures):
   command gets its own environment, working directory, sys.path, argv, and warnings shown afresh.
   Other libraries stay imported, and read what they read of the environment at import once (e.g.
   torch inductor's CXX): a test's commands may differ in what raychat reads when it runs, not in that.
+  After each command, what a fresh process's exit would have done or shown is done here: Ray left
+  connected is shut down as Ray's exit hook does, a non-daemon thread still running fails the command
+  (it would hang a process at exit), and the signal handlers, and the loggers of preloaded modules,
+  are put back as they were. The session's drivers run here too (conftest's RayCluster.drivers); a
+  test that signals, pauses or races drivers, or reads a driver's own command line (Ray records it),
+  starts real processes.
 - `Ranks`: spawned processes that run a function as the ranks of a gloo group, as mp.spawn would
   (fn(rank, *args) in each), kept for the next group; every rank's process group is ended and its torch
   thread count restored after each run, and a failed rank ends them all.
@@ -29,16 +35,41 @@ REPO = Path(__file__).resolve().parents[1]
 # The interpreter behind Commands: one request per line on stdin (module, argv, environment, working
 # directory, stdout and stderr files), one reply per line (the exit code) on what was its stdout.
 SERVER = r'''
-import ctypes, json, os, runpy, sys, traceback, warnings
+import ctypes, importlib, json, logging, os, runpy, signal, sys, threading, traceback, warnings
 
 replies = os.fdopen(os.dup(1), "w")
 requests = os.fdopen(os.dup(0), "r")
-devnull = os.open(os.devnull, os.O_RDONLY)
-os.dup2(devnull, 0)  # a command reads no requests
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # a command reads no requests
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a late write between commands never reaches the replies
 libc = ctypes.CDLL(None)
+for name in json.loads(sys.argv[1]):  # preloaded: their loggers exist before the snapshot below
+    importlib.import_module(name)
 START_ENV, START_CWD, START_FILTERS = dict(os.environ), os.getcwd(), list(warnings.filters)
 BASE_PATH = sys.path[1:]  # without -c's '' (and started without PYTHONPATH)
 OURS = ("raychat", "tune", "bench")
+SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1]
+HANDLERS = {s: signal.getsignal(s) for s in SIGNALS}
+
+
+def loggers():
+    return [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                   if isinstance(lg, logging.Logger))]
+
+
+def logging_state():
+    return {lg: (lg.level, list(lg.filters), list(lg.handlers), lg.propagate, lg.disabled,
+                 [(h, h.level, list(h.filters)) for h in lg.handlers]) for lg in loggers()}
+
+
+def restore_logging(state):
+    # What a command set on a logger that existed before it (raychat.run.quiet's levels and filters)
+    # is undone: the next command finds the loggers as a fresh process's imports left them.
+    for lg, (level, filters, handlers, propagate, disabled, handler_state) in state.items():
+        lg.level, lg.filters[:], lg.handlers[:], lg.propagate, lg.disabled = (level, filters, handlers,
+                                                                            propagate, disabled)
+        for h, h_level, h_filters in handler_state:
+            h.level, h.filters[:] = h_level, h_filters
+    logging.Logger.manager._clear_cache()
 
 
 def run(module):
@@ -56,12 +87,24 @@ def run(module):
     return 0
 
 
+def left_running(before, grace_s=10.0):
+    """Threads the command started that would keep a fresh process from exiting (non-daemon ones
+    still alive `grace_s` after it returned)."""
+    for thread in threading.enumerate():
+        if thread not in before and not thread.daemon and thread is not threading.main_thread():
+            thread.join(grace_s)
+    return [t.name for t in threading.enumerate() if t not in before and not t.daemon and t.is_alive()
+            and t is not threading.main_thread()]
+
+
 for line in requests:
     module, argv, env, cwd, out_path, err_path = json.loads(line)
     for name in [m for m in sys.modules if m.split(".")[0] in OURS]:
         del sys.modules[name]
     warnings.filters[:] = START_FILTERS
     warnings._filters_mutated()  # forgets which warnings were shown: shown again, as in a fresh process
+    logs = logging_state()
+    threads_before = set(threading.enumerate())
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch else None
     os.environ.clear()
@@ -81,6 +124,10 @@ for line in requests:
         ray = sys.modules.get("ray")
         if ray is not None and ray.is_initialized():  # what the interpreter's exit does for a driver
             ray.shutdown(_exiting_interpreter=True)  # whose command returned connected (an error's)
+        stuck = left_running(threads_before)
+        if stuck:  # a fresh process would hang at its exit
+            print(f"reused interpreter: threads {stuck} still running after the command", file=sys.stderr)
+            code = code or 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -93,6 +140,9 @@ for line in requests:
         os.chdir(START_CWD)
         if threads is not None:
             torch.set_num_threads(threads)
+        for sig, handler in HANDLERS.items():  # Ray Train's and Tune's Ctrl-C handlers stay installed
+            signal.signal(sig, handler)
+        restore_logging(logs)
     replies.write(json.dumps(code) + "\n")
     replies.flush()
 '''
@@ -104,34 +154,43 @@ class Commands:
     docstring). An interpreter that dies (os._exit, a crash) answers with its exit code, as the
     subprocess would have, and the next command starts a new one."""
 
-    def __init__(self, tmp: Path):
-        self.tmp, self.proc, self.count = Path(tmp), None, 0
+    def __init__(self, tmp: Path, preload: tuple[str, ...] = ()):
+        """`preload`: modules the interpreter imports before its first command, so that what a command
+        changes of their loggers is undone after it (the loggers a module makes at import)."""
+        self.tmp, self.preload, self.proc, self.count = Path(tmp), preload, None, 0
 
     def run(self, module: str, *args: object, env: dict[str, str] | None = None,
             cwd: str | Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+        if self.proc is not None and self.proc.poll() is not None:  # it died between commands
+            self.proc = None
         if self.proc is None:
             start_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-            self.proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True, cwd=REPO, env=start_env)
+            self.proc = subprocess.Popen([sys.executable, "-c", SERVER, json.dumps(self.preload)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+                                         env=start_env)
         self.count += 1
         out, err = self.tmp / f"command{self.count}.out", self.tmp / f"command{self.count}.err"
         argv = [str(a) for a in args]
         where = str(Path(cwd or os.getcwd()).resolve())
         request = [module, argv, dict(os.environ if env is None else env), where, str(out), str(err)]
         command = [sys.executable, "-m", module, *argv]
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            self.close()
-            raise subprocess.TimeoutExpired(command, timeout)
-        reply = self.proc.stdout.readline()
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired(command, timeout)
+            reply = self.proc.stdout.readline()
+        except BaseException:  # a timeout, the test's own (pytest-timeout), Ctrl-C: as subprocess.run
+            self.close()  # kills its child, the command ends here, and the next one starts afresh
+            raise
         if reply:
             code = json.loads(reply)
         else:  # the interpreter ended with the command
             code = self.proc.wait()
             self.proc = None
-        return subprocess.CompletedProcess(command, code, out.read_text(), err.read_text())
+        read = [path.read_text() if path.exists() else "" for path in (out, err)]  # none: it died first
+        return subprocess.CompletedProcess(command, code, *read)
 
     def close(self) -> None:
         if self.proc is not None:  # idle between commands: nothing of a command is lost

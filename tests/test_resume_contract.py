@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
-from helpers import STEP_LINE, all_files, log_lines, one_error_line, run_train, tiny_flags
+from conftest import s3_uri
+from helpers import STEP_LINE, all_files, copy_tree, log_lines, one_error_line, run_train, tiny_flags
 
 from raychat.checkpoint import fence
 from raychat.checkpoint.format import list_checkpoints, read_meta
@@ -172,13 +173,17 @@ def test_reruns_of_a_run_continue_or_are_refused_and_lose_nothing(ray_session, t
 
 
 @pytest.mark.ray
-def test_a_grown_corpus_is_refused_before_any_worker(ray_session, tiny_corpus, two_worker_run, tmp_path):
-    """conftest's `two_worker_run` (in the bucket, at step 20), re-run on its corpus re-prepared with
-    more documents: the driver refuses it, and nothing of the run changes."""
+def test_a_grown_corpus_is_refused_before_any_worker(ray_session, tiny_corpus, two_worker_run, s3_endpoint,
+                                                      tmp_path):
+    """A copy of conftest's `two_worker_run` (in the bucket, at step 20: a copy, so that what this test
+    breaks shows here), re-run on its corpus re-prepared with more documents: the driver refuses it,
+    and nothing of the run changes."""
     data_dir, _ = tiny_corpus
     grown = tmp_path / "grown"
     shutil.copytree(data_dir, grown)
-    run = Storage(two_worker_run.storage).child(two_worker_run.name)
+    storage = s3_uri(s3_endpoint, f"grown-corpus-{time.time_ns()}")
+    run = Storage(storage).child(two_worker_run.name)
+    copy_tree(Storage(two_worker_run.storage).child(two_worker_run.name), run)
     before = all_files(run)
     # One more train shard (the corpus was re-prepared with more documents).
     shards = sorted(grown.glob("shard_*.parquet"))
@@ -189,7 +194,7 @@ def test_a_grown_corpus_is_refused_before_any_worker(ray_session, tiny_corpus, t
         writer.add_train(texts[:-40] + texts[:40])
         writer.add_val(texts[-40:])
     # --max-failures -1: a refusal a worker made (not the driver) would retry it without end
-    rerun = tiny_flags(tiny_corpus, two_worker_run.storage, two_worker_run.name, *two_worker_run.flags,
+    rerun = tiny_flags(tiny_corpus, storage, two_worker_run.name, *two_worker_run.flags,
                        "--num-iterations", "24", "--max-failures", "-1")
     rerun[rerun.index("--data-dir") + 1] = str(grown)
     result = run_train(ray_session, rerun, timeout=300)

@@ -14,6 +14,7 @@ import time
 
 import pytest
 from conftest import s3_uri
+from helpers import copy_tree
 
 from raychat.checkpoint.format import list_checkpoints
 from raychat.checkpoint.meta import CheckpointMeta, LoopState
@@ -288,13 +289,6 @@ def test_sweep_writes_table_and_plots_into_the_bucket(interrupted_sweep):
     assert "d4_r0.004" in again.stdout and report.location.split("?")[0] in again.stdout
 
 
-def _copy_tree(source: Storage, target: Storage) -> None:
-    for f in source.files():
-        target.write_bytes(f.base_name, source.read_bytes(f.base_name))
-    for sub in source.subdirs():
-        _copy_tree(source.child(sub), target.child(sub))
-
-
 @pytest.mark.ray
 def test_a_trial_whose_run_is_done_already_ends_finished_with_its_final_result(ray_session,
                                                                               interrupted_sweep):
@@ -304,7 +298,7 @@ def test_a_trial_whose_run_is_done_already_ends_finished_with_its_final_result(r
     'finished' with the run's final val bpb (not 'stopped early' without it)."""
     s = interrupted_sweep
     done = s["experiment"].child("runs", "d2_r0.004")
-    _copy_tree(done, Storage(s["storage"]).child("done", "runs", "d2_r0.004"))
+    copy_tree(done, Storage(s["storage"]).child("done", "runs", "d2_r0.004"))
     cmd = list(s["cmd"])
     cmd[cmd.index("--depths") + 1], cmd[cmd.index("--name") + 1] = "2", "done"
     out = ray_session.drivers.run(*cmd[2:], env=ray_session.driver_env(), timeout=600)
