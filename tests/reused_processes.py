@@ -44,6 +44,7 @@ os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a late write between commands ne
 libc = ctypes.CDLL(None)
 for name in json.loads(sys.argv[1]):  # preloaded: their loggers exist before the snapshot below
     importlib.import_module(name)
+THREAD_GRACE_S = float(sys.argv[2])
 START_ENV, START_CWD, START_FILTERS = dict(os.environ), os.getcwd(), list(warnings.filters)
 BASE_PATH = sys.path[1:]  # without -c's '' (and started without PYTHONPATH)
 OURS = ("raychat", "tune", "bench")
@@ -63,7 +64,8 @@ def logging_state():
 
 def restore_logging(state):
     # What a command set on a logger that existed before it (raychat.run.quiet's levels and filters)
-    # is undone: the next command finds the loggers as a fresh process's imports left them.
+    # is undone: the next command finds the preloaded modules' loggers as their imports left them (a
+    # logger first made by a command keeps what the commands after it set).
     for lg, (level, filters, handlers, propagate, disabled, handler_state) in state.items():
         lg.level, lg.filters[:], lg.handlers[:], lg.propagate, lg.disabled = (level, filters, handlers,
                                                                             propagate, disabled)
@@ -87,14 +89,18 @@ def run(module):
     return 0
 
 
-def left_running(before, grace_s=10.0):
-    """Threads the command started that would keep a fresh process from exiting (non-daemon ones
-    still alive `grace_s` after it returned)."""
-    for thread in threading.enumerate():
-        if thread not in before and not thread.daemon and thread is not threading.main_thread():
-            thread.join(grace_s)
-    return [t.name for t in threading.enumerate() if t not in before and not t.daemon and t.is_alive()
-            and t is not threading.main_thread()]
+def left_running(before, grace_s=THREAD_GRACE_S):
+    """Threads the command started that would keep a fresh process from exiting: non-daemon ones still
+    alive `grace_s` after it returned (an idle pool's workers aside: the interpreter's exit ends them)."""
+    import concurrent.futures.thread as pool
+
+    def holds_exit(t):
+        return (t not in before and not t.daemon and t.is_alive() and t is not threading.main_thread()
+                and getattr(t, "_target", None) is not pool._worker)
+
+    for thread in [t for t in threading.enumerate() if holds_exit(t)]:
+        thread.join(grace_s)
+    return [t.name for t in threading.enumerate() if holds_exit(t)]
 
 
 for line in requests:
@@ -103,6 +109,9 @@ for line in requests:
         del sys.modules[name]
     warnings.filters[:] = START_FILTERS
     warnings._filters_mutated()  # forgets which warnings were shown: shown again, as in a fresh process
+    warnings.onceregistry.clear()
+    if "ray.util.debug" in sys.modules:  # Ray's log_once: said again, once per command
+        sys.modules["ray.util.debug"]._logged.clear()
     logs = logging_state()
     threads_before = set(threading.enumerate())
     torch = sys.modules.get("torch")
@@ -154,10 +163,12 @@ class Commands:
     docstring). An interpreter that dies (os._exit, a crash) answers with its exit code, as the
     subprocess would have, and the next command starts a new one."""
 
-    def __init__(self, tmp: Path, preload: tuple[str, ...] = ()):
+    def __init__(self, tmp: Path, preload: tuple[str, ...] = (), thread_grace_s: float = 10.0):
         """`preload`: modules the interpreter imports before its first command, so that what a command
-        changes of their loggers is undone after it (the loggers a module makes at import)."""
+        changes of their loggers is undone after it (the loggers a module makes at import).
+        `thread_grace_s`: how long a non-daemon thread a command started may outlive it."""
         self.tmp, self.preload, self.proc, self.count = Path(tmp), preload, None, 0
+        self.thread_grace_s = thread_grace_s
 
     def run(self, module: str, *args: object, env: dict[str, str] | None = None,
             cwd: str | Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -165,7 +176,8 @@ class Commands:
             self.proc = None
         if self.proc is None:
             start_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-            self.proc = subprocess.Popen([sys.executable, "-c", SERVER, json.dumps(self.preload)],
+            self.proc = subprocess.Popen([sys.executable, "-c", SERVER, json.dumps(self.preload),
+                                          str(self.thread_grace_s)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
                                          env=start_env)
         self.count += 1

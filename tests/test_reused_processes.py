@@ -56,6 +56,51 @@ def test_a_command_gives_what_a_fresh_interpreter_gives(commands, module_dir, ho
     assert "UserWarning: shown in every run" in reused.stderr and f"out {how}" in reused.stdout
 
 
+# A command that leaves what a process's exit would end (a signal handler, a logger changed, a thread
+# that never ends), and one that reports what it finds of them, its pid and Ray's once-only log.
+LEAVES = r'''
+import logging, signal, sys, threading
+logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+logging.getLogger("asyncio").addFilter(lambda record: False)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+if sys.argv[1:] == ["thread"]:
+    threading.Thread(target=threading.Event().wait, daemon=False).start()
+if sys.argv[1:] == ["sleep"]:
+    threading.Event().wait(60)
+'''
+FINDS = r'''
+import logging, os, signal
+asyncio = logging.getLogger("asyncio")
+default_sigint = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+print(asyncio.level, len(asyncio.filters), default_sigint, os.getpid())
+'''
+
+
+def test_what_a_command_leaves_is_ended_as_a_fresh_process_would(tmp_path):
+    """A command's signal handlers and its changes to a preloaded module's loggers are undone; a thread
+    that would keep a process from exiting fails it; a command past its timeout ends the interpreter
+    (as subprocess.run kills its child), and the next command starts in a new one."""
+    from reused_processes import Commands
+
+    (tmp_path / "leaves_probe.py").write_text(LEAVES)
+    (tmp_path / "finds_probe.py").write_text(FINDS)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    commands = Commands(tmp_path, preload=("asyncio",), thread_grace_s=0.2)
+    try:
+        pristine = commands.run("finds_probe", env=env, cwd=tmp_path).stdout.split()
+        assert pristine[:3] == ["0", "0", "True"]
+        assert commands.run("leaves_probe", env=env, cwd=tmp_path).returncode == 0
+        assert commands.run("finds_probe", env=env, cwd=tmp_path).stdout.split() == pristine
+        stuck = commands.run("leaves_probe", "thread", env=env, cwd=tmp_path)
+        assert stuck.returncode == 1 and "still running after the command" in stuck.stderr
+        with pytest.raises(subprocess.TimeoutExpired):
+            commands.run("leaves_probe", "sleep", env=env, cwd=tmp_path, timeout=2)
+        after = commands.run("finds_probe", env=env, cwd=tmp_path).stdout.split()
+        assert after[:3] == pristine[:3] and after[3] != pristine[3]  # a new interpreter
+    finally:
+        commands.close()
+
+
 def _rank(rank: int, out: str, fail: bool) -> None:
     store = dist.FileStore(str(Path(out) / "store"), 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
