@@ -48,7 +48,8 @@ THREAD_GRACE_S = float(sys.argv[2])
 START_ENV, START_CWD, START_FILTERS = dict(os.environ), os.getcwd(), list(warnings.filters)
 BASE_PATH = sys.path[1:]  # without -c's '' (and started without PYTHONPATH)
 OURS = ("raychat", "tune", "bench")
-SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1]
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a shell's `python -m`, whatever
+SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1]  # the process that started this one ignored
 HANDLERS = {s: signal.getsignal(s) for s in SIGNALS}
 
 

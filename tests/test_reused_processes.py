@@ -62,7 +62,7 @@ LEAVES = r'''
 import logging, signal, sys, threading
 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 logging.getLogger("asyncio").addFilter(lambda record: False)
-signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGINT, lambda *_: None)
 if sys.argv[1:] == ["thread"]:
     threading.Thread(target=threading.Event().wait, daemon=False).start()
 if sys.argv[1:] == ["sleep"]:
