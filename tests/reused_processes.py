@@ -48,9 +48,10 @@ THREAD_GRACE_S = float(sys.argv[2])
 START_ENV, START_CWD, START_FILTERS = dict(os.environ), os.getcwd(), list(warnings.filters)
 BASE_PATH = sys.path[1:]  # without -c's '' (and started without PYTHONPATH)
 OURS = ("raychat", "tune", "bench")
-signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a shell's `python -m`, whatever
-SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1]  # the process that started this one ignored
-HANDLERS = {s: signal.getsignal(s) for s in SIGNALS}
+# Ctrl-C as a shell's `python -m` has it, even where the process that started this one ignored it (an
+# ignored signal is inherited); the handlers every command starts with.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+HANDLERS = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
 
 
 def loggers():
@@ -59,7 +60,7 @@ def loggers():
 
 
 def logging_state():
-    return {lg: (lg.level, list(lg.filters), list(lg.handlers), lg.propagate, lg.disabled,
+    return {lg: (lg.level, list(lg.filters), lg.propagate, lg.disabled,
                  [(h, h.level, list(h.filters)) for h in lg.handlers]) for lg in loggers()}
 
 
@@ -67,10 +68,10 @@ def restore_logging(state):
     # What a command set on a logger that existed before it (raychat.run.quiet's levels and filters)
     # is undone: the next command finds the preloaded modules' loggers as their imports left them (a
     # logger first made by a command keeps what the commands after it set).
-    for lg, (level, filters, handlers, propagate, disabled, handler_state) in state.items():
-        lg.level, lg.filters[:], lg.handlers[:], lg.propagate, lg.disabled = (level, filters, handlers,
-                                                                            propagate, disabled)
-        for h, h_level, h_filters in handler_state:
+    for lg, (level, filters, propagate, disabled, handlers) in state.items():
+        lg.level, lg.filters[:], lg.propagate, lg.disabled = level, filters, propagate, disabled
+        lg.handlers[:] = [h for h, _, _ in handlers]
+        for h, h_level, h_filters in handlers:
             h.level, h.filters[:] = h_level, h_filters
     logging.Logger.manager._clear_cache()
 
@@ -150,7 +151,7 @@ for line in requests:
         os.chdir(START_CWD)
         if threads is not None:
             torch.set_num_threads(threads)
-        for sig, handler in HANDLERS.items():  # Ray Train's and Tune's Ctrl-C handlers stay installed
+        for sig, handler in HANDLERS.items():  # else Ray Train's and Tune's Ctrl-C handlers stay
             signal.signal(sig, handler)
         restore_logging(logs)
     replies.write(json.dumps(code) + "\n")
