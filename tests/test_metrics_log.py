@@ -7,6 +7,7 @@ import pytest
 
 from raychat.checkpoint.fence import Fence, LeaseRecord, create_record
 from raychat.run import metrics_log
+from raychat.run.metrics import Publisher
 from raychat.run.metrics_log import METRICS_FILE, MetricsLog, final_timeline, parse_records, read_timeline
 from raychat.storage import Storage
 
@@ -149,3 +150,44 @@ def test_torn_and_repeated_lines_are_read_once():
     timeline = final_timeline(records)
     assert len(timeline.starts) == 1 and len(timeline.ledger.attempts) == 1
     assert timeline.ledger.seconds["training"] == 2.0
+
+
+@pytest.mark.parametrize("storage", ["local", "s3"], indirect=True)
+def test_steps_held_back_at_a_replica_are_written_by_the_attempt_resumed_from_it(storage, monkeypatch):
+    """Rank 0 killed while it held step records back: those before its last memory replica travel with
+    that set (`Publisher.held_back`, taken with the replica), and an attempt resumed from the set writes
+    them before its start, once however often the set is resumed from. The steps after the replica are
+    the killed attempt's lost tail: the resumed attempt redoes them."""
+    monkeypatch.setattr(metrics_log, "LOCAL_FLUSH_S", 3600.0)
+    monkeypatch.setattr(metrics_log, "REMOTE_FLUSH_S", 3600.0)
+    run = Storage(storage).child("r")
+
+    def steps(log: MetricsLog, first: int, stop: int) -> None:
+        for step in range(first, stop):
+            log.write("step", step=step, dt=1.0, loss=4.0 - step / 100)
+
+    killed = MetricsLog(run)
+    killed.write("start", step=0, world_size=1)  # written at once
+    steps(killed, 0, 4)
+    carried = Publisher([killed]).held_back()  # the replica of the state before step 4
+    steps(killed, 4, 5)  # then the kill: nothing more reaches the file
+    assert [r["kind"] for r in parse_records(run.read_text(METRICS_FILE))] == ["start"]
+
+    resumed = MetricsLog(run, carried=carried)
+    assert [r["kind"] for r in resumed.earlier] == ["start", "step", "step", "step", "step"]
+    resumed.write("start", step=4, world_size=1, restarts=1)
+    steps(resumed, 4, 6)  # killed too, after flushing, before a replica of its own
+    resumed.flush()
+    again = MetricsLog(run, carried=carried)  # the same set resumed from again: nothing to write
+    assert again.held_back() == []
+    again.write("start", step=4, world_size=1, restarts=2)
+    steps(again, 4, 7)
+    again.flush()
+
+    lines = run.read_text(METRICS_FILE).splitlines()
+    assert [json.loads(line)["kind"] for line in lines] == (
+        ["start"] + ["step"] * 4 + ["start"] + ["step"] * 2 + ["start"] + ["step"] * 3)
+    timeline = read_timeline(run)
+    assert [r["step"] for r in timeline.steps] == list(range(7))
+    # Steps 0-3 advanced training once; the resumed attempt's 4 and 5 were redone by the last.
+    assert timeline.ledger.seconds["training"] == 7.0 and timeline.ledger.seconds["redone"] >= 2.0

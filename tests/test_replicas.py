@@ -166,7 +166,7 @@ def _replica(model, optimizer, step, epoch=7, attempt=0):
     pieces = [p._replace(tensor=p.tensor.clone()) for p in pieces]
     return Replica(epoch=epoch, attempt=attempt, step=step, rank=0, world_size=1, pieces=pieces,
                    cursor=RankCursor(0, 1, 5, [[1, 2, 0, 3]]), extra=plain, units=(9, 1234),
-                   loop_state=LoopState(step=step, min_val_bpb=2.5))
+                   loop_state=LoopState(step=step, min_val_bpb=2.5), log_tail=[f'{{"step": {step - 1}}}'])
 
 
 @pytest.mark.ray
@@ -202,6 +202,7 @@ def test_a_holder_keeps_two_steps_and_gives_the_state_back_bit_for_bit(ray_sessi
                                       all_gather=lambda obj: [obj], log=logs.append)
         assert restore is not None and restore.meta.step == 2 and restore.meta.loop_state.min_val_bpb == 2.5
         assert restore.meta.cursor == merge_cursor([RankCursor(0, 1, 5, [[1, 2, 0, 3]])], 9, 1234)
+        assert restore.log_tail == ['{"step": 1}']  # the step records rank 0 held back, for the new attempt
         fresh = _components()
         fresh_model, fresh_optimizer = fresh.model, fresh.optimizer
         share = restore.load(lambda reader: read_share(reader, fresh_model, fresh_optimizer, 1, 0))

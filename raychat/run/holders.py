@@ -42,6 +42,7 @@ class Replica:
     loop_state: LoopState | None = None  # rank 0
     extra: dict | None = None  # rank 0: the optimizer's plain data, as a checkpoint's index keeps it
     units: tuple[int, int | None] | None = None  # rank 0: (train units, shuffle seed) for merge_cursor
+    log_tail: list[str] | None = None  # rank 0: the metrics log's records not yet written (its steps)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -93,9 +94,9 @@ class ReplicaHolder:
         return [r.summary() for kept in self.replicas.values() for r in kept.values()]
 
     def state(self, key: tuple[int, int], rank: int) -> tuple[RankCursor, LoopState | None, dict | None,
-                                                             tuple[int, int | None] | None]:
+                                                             tuple[int, int | None] | None, list[str] | None]:
         r = self.replicas[rank][tuple(key)]
-        return r.cursor, r.loop_state, r.extra, r.units
+        return r.cursor, r.loop_state, r.extra, r.units, r.log_tail
 
     def read(self, key: tuple[int, int], parts: list[tuple[int, str, int, int, int]]) -> list[torch.Tensor]:
         """For each (rank, name, start, offset, numel): elements [offset, offset + numel) of that rank's

@@ -150,15 +150,17 @@ def save(w: Worker, state: LoopState, wait: bool) -> bool:
 
 def replicate(w: Worker, state: LoopState) -> None:
     """Mirror this rank's state before step `state.step` in its holders' memory (raychat.run.replicas):
-    the pieces a checkpoint would write and the rank's cursor (rank 0: the loop state and the optimizer's
-    plain data too). No collective: the cursors are merged at a restore."""
+    the pieces a checkpoint would write and the rank's cursor (rank 0: the loop state, the optimizer's
+    plain data and the step records its metrics log holds back, which an attempt resumed from this set
+    writes: nothing redoes those steps). No collective: the cursors are merged at a restore."""
     pieces, plain = state_pieces(w.orig_model, w.optimizer, w.world_size, w.rank)
     first = w.master
     w.replicator.replicate(Replica(
         epoch=w.replicator.epoch, attempt=w.replicator.attempt, step=state.step, rank=w.rank,
         world_size=w.world_size, pieces=pieces, cursor=w.loader.state(),
         loop_state=replace(state) if first else None, extra=plain if first else None,
-        units=(w.loader.num_units, w.loader.shuffle_seed) if first else None))
+        units=(w.loader.num_units, w.loader.shuffle_seed) if first else None,
+        log_tail=w.publisher.held_back() if first else None))
 
 
 def stop_on_nan(w: Worker, what: str, step: int) -> None:

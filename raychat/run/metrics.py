@@ -173,6 +173,11 @@ class Sink(ABC):
     def flush(self) -> None:  # noqa: B027 (only a sink that holds records back has work here)
         """Write what this sink holds back (before a checkpoint, at the end of a run)."""
 
+    def held_back(self) -> list[str]:
+        """What this sink holds back, as it would write it: a memory replica carries it, so an attempt
+        resumed past those steps writes what the killed one could not (raychat.run.metrics_log)."""
+        return []
+
 
 class LogLines(Sink):
     """nanochat's lines on the worker's log: the step line, the validation and CORE lines, samples."""
@@ -388,3 +393,7 @@ class Publisher:
         """Write what the sinks hold back (a bucket's metrics log is rewritten every 30 s otherwise)."""
         for sink in self._sinks:
             sink.flush()
+
+    def held_back(self) -> list[str]:
+        """What the sinks hold back now (rank 0's metrics log: its unwritten step records)."""
+        return [line for sink in self._sinks for line in sink.held_back()]

@@ -14,9 +14,11 @@ every LOCAL_FLUSH_S seconds, in a bucket (which cannot append: the whole file is
 with the steps before it, and so is everything before a checkpoint and at the end of an attempt.
 Each write lists the run's lease first (a superseded writer never appends), so a write per step
 cost rank 0 about half a millisecond of every step, the whole gap between two steps of a small
-model. What a killed rank 0 held back is known to the run's coordinator (its step count) and
-counted as redone by the time ledger. A failed write never stops training: it is retried with the
-next flush, on a line of its own.
+model. What rank 0 holds back travels with its memory replicas (raychat.run.replicas): an attempt
+resumed from peer memory does not redo those steps, so it writes their records first. What a killed
+rank 0 held back past its last replica is known to the run's coordinator (its step count) and
+counted as redone by the time ledger: the resumed attempt redoes those steps. A failed write never
+stops training: it is retried with the next flush, on a line of its own.
 """
 
 import json
@@ -63,16 +65,25 @@ class MetricsLog(Sink):
     """Appends records to one run's metrics.jsonl (create on rank 0 only): every record the publisher
     hands it, with all its fields."""
 
-    def __init__(self, run: Storage, fence: Fence | None = None):
+    def __init__(self, run: Storage, fence: Fence | None = None, carried: list[str] | None = None):
         self._run = run
         self._fence = fence or Fence(run, 0)  # a superseded writer's lines never reach the file
-        self._pending: list[str] = []
         self._last_flush = time.monotonic()
         self._warned = False
         existing, self._file = run.open_append(METRICS_FILE)
+        text = existing.decode(errors="replace")
+        # What a memory replica carried (`held_back` when it was taken) and the file lacks: the killed
+        # attempt's, written first. The file has all or none of them (a write takes all it holds);
+        # none when a restore from that set wrote them before or the killed attempt did.
+        written = set(text.splitlines())
+        self._pending = [line for line in carried or [] if line not in written]
         # A killed attempt may have left half a line: start ours on a line of its own.
         self._needs_newline = bool(existing) and not existing.endswith(b"\n")
-        self.earlier = parse_records(existing.decode(errors="replace"))  # what earlier attempts wrote
+        # what earlier attempts wrote
+        self.earlier = parse_records(text + "".join(line + "\n" for line in self._pending))
+
+    def held_back(self) -> list[str]:
+        return list(self._pending)
 
     def publish(self, record: Record) -> None:
         match record:

@@ -339,10 +339,11 @@ class MemoryRestore:
     `load` the tensors, None for every rank if any rank could not read its share."""
 
     def __init__(self, holders: list[Any], found: list[list[dict]], key: tuple[int, int], world: int,
-                 meta: CheckpointMeta, extra: dict, all_gather: Callable[[Any], list[Any]],
-                 log: Callable[[str], None]):
+                 meta: CheckpointMeta, extra: dict, log_tail: list[str],
+                 all_gather: Callable[[Any], list[Any]], log: Callable[[str], None]):
         self.holders, self.found, self.key, self.world = holders, found, key, world
         self.meta, self.extra, self.all_gather, self.log = meta, extra, all_gather, log
+        self.log_tail = log_tail  # the metrics log's records rank 0 held back when the set was taken
         self.checkpoint = "peer memory"
 
     @classmethod
@@ -358,8 +359,8 @@ class MemoryRestore:
         choice = all_gather(choice)[0]
         if choice is None:
             return None
-        found, key, world, meta, extra = choice
-        return cls(holders, found, key, world, meta, extra, all_gather, log)
+        found, key, world, meta, extra, log_tail = choice
+        return cls(holders, found, key, world, meta, extra, log_tail, all_gather, log)
 
     def load(self, read: Callable[[MemoryReader], T], local: Any | None = None) -> T | None:
         """`read(reader)` on every rank, or None on every rank when any of them could not. `local`:
@@ -393,12 +394,12 @@ def _read_choice(holders: list[Any], epoch: int, min_step: int, model: GPTConfig
             if tuple(replica["key"]) == key and replica["world_size"] == world:
                 where.setdefault(replica["rank"], holder)
     states = ray.get([where[r].state.remote(key, r) for r in range(world)], timeout=HOLDER_CALL_S)
-    cursors = [cursor for cursor, _, _, _ in states]
-    _, loop_state, extra, (num_units, seed) = states[0]
+    cursors = [cursor for cursor, _, _, _, _ in states]
+    _, loop_state, extra, (num_units, seed), log_tail = states[0]
     cursor: Cursor = merge_cursor(cursors, num_units, seed)
     meta = CheckpointMeta(step=key[0], model_config=model, world_size=world, lease_epoch=epoch, cursor=cursor,
                           loop_state=loop_state)
-    return found, key, world, meta, extra
+    return found, key, world, meta, extra, log_tail or []
 
 
 def retain_only(holders: list[Any], key: tuple[int, int] | None) -> None:

@@ -271,14 +271,15 @@ def _start_attempt(config: WorkerRunConfig, state: LoopState, resumed_from: str 
 
 
 def _publisher(w: Worker, state: LoopState, run: Storage, precision: str, peak_source: str,
-               resumed_from: str | None, times: dict) -> Publisher:
+               resumed_from: str | None, times: dict, carried: list[str]) -> Publisher:
     """Rank 0's sinks (gauges, wandb, the run's metrics log, which records this attempt's start with
     the plan, for raychat.report, and the times of its start, for the time ledger); the other ranks
-    only report to Ray Train."""
+    only report to Ray Train. `carried`: the step records a memory replica brought (rank 0's held back
+    when it was taken), written before the start."""
     if not w.master:
         return Publisher([LogLines(w.log), TrainReport()])
     # The log's fence check gives up at once on a storage fault: the log retries at its next flush.
-    metrics_log = MetricsLog(run, Fence(run, w.saver.fence.epoch, budget_s=0))
+    metrics_log = MetricsLog(run, Fence(run, w.saver.fence.epoch, budget_s=0), carried=carried)
     publisher = Publisher([LogLines(w.log), RayMetrics(run_name=w.cfg.name), w.wandb, metrics_log,
                            TrainReport()])
     publisher.start(metrics_log.earlier,
@@ -371,6 +372,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     # The saver's lineage goes on from the newest durable checkpoint whichever tier the state came from.
     resumed_from = restore.checkpoint.name if share is not None and restore.checkpoint is not None else None
     resumed_label = (source.checkpoint if source is memory else resumed_from) if share is not None else None
+    carried = memory.log_tail if source is memory else []  # step records the killed attempt held back
     done("read_state")
     if earlier_holders and me.rank == 0:  # they keep the set resumed from, until this attempt has its own
         retain_only(earlier_holders, memory.key if source is memory else None)
@@ -417,7 +419,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     done("components")
     times.update(launched=config.launched, setup_started=setup_started, setup_phases=phases,
                  storage_read_bytes=sum(me.gather(io_count.read)))
-    worker.publisher = _publisher(worker, state, run, precision, peak_source, resumed_label, times)
+    worker.publisher = _publisher(worker, state, run, precision, peak_source, resumed_label, times, carried)
     # The attempt's one line (Ray's own narration of it is silenced: raychat.run.quiet).
     nodes = len(set(node_of_rank))
     me.log(f"{origin}: training to step {plan.num_iterations} at world size {me.world_size} ({me.world_size} "
