@@ -61,27 +61,34 @@ def follow(proc: subprocess.Popen, lines: "queue.Queue[tuple[float, str | None]]
     lines.put((time.monotonic(), None))
 
 
-def stop_processes_under(marker: str) -> None:
+def stop_processes_under(marker: str, grace_s: float = 2.0) -> None:
     """Stop every process whose command line mentions `marker` (a cluster's session directory), and
     their children: a raylet's agents retitle themselves ("ray::DashboardAgent") and, their raylet
-    gone, linger for minutes."""
+    gone, linger for minutes. What has not ended `grace_s` after SIGTERM is killed: a raylet, its GCS
+    and its runtime-env agent outlive a SIGTERM sent to the whole cluster at once by over 10 s."""
     import psutil
 
-    found: dict[int, psutil.Process] = {}
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            if p.pid != os.getpid() and marker in " ".join(p.info["cmdline"] or []):
-                found[p.pid] = p
-                found.update((child.pid, child) for child in p.children(recursive=True))
-    found.pop(os.getpid(), None)
-    procs = list(found.values())
+    def under_marker() -> list[psutil.Process]:
+        found: dict[int, psutil.Process] = {}
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                if p.pid != os.getpid() and marker in " ".join(p.info["cmdline"] or []):
+                    found[p.pid] = p
+                    found.update((child.pid, child) for child in p.children(recursive=True))
+        found.pop(os.getpid(), None)
+        return list(found.values())
+
+    procs = under_marker()
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    # Then whatever is left, and whatever a raylet started meanwhile.
+    left = alive + [p for p in under_marker() if p not in alive]
+    for p in left:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
+    psutil.wait_procs(left, timeout=5)
 
 
 @contextlib.contextmanager

@@ -343,10 +343,44 @@ def test_a_cluster_that_is_not_there_or_wants_a_token_is_one_line(ray_session, t
 @pytest.mark.parametrize("storage", ["s3"], indirect=True)
 def test_wrong_tokenizer_nan_loss_damaged_checkpoint_and_resume_from_step(ray_session, tiny_corpus, tmp_path,
                                                                           storage, commands):
+    base = ["--num-workers", "1", "--total-batch-size", "512", "--eval-every", "-1", "--save-every", "3"]
+    # NaN loss (checked at the end): a run of its own, a driver process of its own, training beside
+    # the resumes below.
+    exploding = tiny_flags(tiny_corpus, storage, "nan", *base, "--num-iterations", "12", "--save-every", "1",
+                           "--embedding-lr", "1e30", "--unembedding-lr", "1e30", "--matrix-lr", "1e30")
+    nan_out, nan_err = tmp_path / "nan.out", tmp_path / "nan.err"
+    with open(nan_out, "w") as out, open(nan_err, "w") as err:
+        nan_run = subprocess.Popen([sys.executable, "-m", "raychat.train", *exploding], stdout=out,
+                                   stderr=err, text=True, env=ray_session.driver_env())
+    try:
+        _resumes_and_refusals(ray_session, tiny_corpus, tmp_path, storage, commands, base)
+        nan_run.wait(timeout=400)
+    finally:
+        if nan_run.poll() is None:
+            nan_run.kill()
+            nan_run.wait()
+
+    # NaN loss: stop with the step named. Saving every step, a save is in flight when the loss goes
+    # bad: it holds the weights from before that step and is finished, whole, not leaked.
+    line = one_error_line(subprocess.CompletedProcess(nan_run.args, nan_run.returncode, nan_out.read_text(),
+                                                      nan_err.read_text()))
+    nan_step = int(re.search(r"NaN/inf at step (\d+)", line).group(1))
+    # The last checkpoint is whole, at or before that step, and finite: a NaN is never saved (the
+    # save refuses non-finite weights and stops the run as a NaN loss does).
+    checkpoints = list_checkpoints(Storage(storage).child("nan"))
+    assert checkpoints or nan_step <= 1
+    if checkpoints:
+        assert int(checkpoints[-1].name.removeprefix("checkpoint_")) <= nan_step
+        assert damage(checkpoints[-1], deep=True) is None
+        weights, _, _ = load_checkpoint(checkpoints[-1], load_optimizer=False)
+        assert all(bool(t.float().isfinite().all()) for t in weights.values())
+
+
+def _resumes_and_refusals(ray_session, tiny_corpus, tmp_path, storage, commands, base: list[str]) -> None:
+    """A wrong tokenizer refused, a damaged newest checkpoint skipped, --resume-from-step, on one run."""
     from raychat.tokenizer.train import train_tokenizer
 
     data_dir, _ = tiny_corpus
-    base = ["--num-workers", "1", "--total-batch-size", "512", "--eval-every", "-1", "--save-every", "3"]
     first = run_train(ray_session, tiny_flags(tiny_corpus, storage, "run", *base, "--num-iterations", "6"))
     assert first.returncode == 0, first.stderr[-3000:]
     run = Storage(storage).child("run")
@@ -383,19 +417,3 @@ def test_wrong_tokenizer_nan_loss_damaged_checkpoint_and_resume_from_step(ray_se
     assert rewound.returncode == 0, rewound.stderr[-3000:]
     assert "at step 3" in rewound.stdout
     assert [int(m.group(1)) for m in log_lines(rewound.stdout, STEP_LINE)] == list(range(3, 9))
-
-    # NaN loss: stop with the step named. Saving every step, a save is in flight when the loss goes
-    # bad: it holds the weights from before that step and is finished, whole, not leaked.
-    exploding = tiny_flags(tiny_corpus, storage, "nan", *base, "--num-iterations", "12", "--save-every", "1",
-                           "--embedding-lr", "1e30", "--unembedding-lr", "1e30", "--matrix-lr", "1e30")
-    line = one_error_line(run_train(ray_session, exploding))
-    nan_step = int(re.search(r"NaN/inf at step (\d+)", line).group(1))
-    # The last checkpoint is whole, at or before that step, and finite: a NaN is never saved (the
-    # save refuses non-finite weights and stops the run as a NaN loss does).
-    checkpoints = list_checkpoints(Storage(storage).child("nan"))
-    assert checkpoints or nan_step <= 1
-    if checkpoints:
-        assert int(checkpoints[-1].name.removeprefix("checkpoint_")) <= nan_step
-        assert damage(checkpoints[-1], deep=True) is None
-        weights, _, _ = load_checkpoint(checkpoints[-1], load_optimizer=False)
-        assert all(bool(t.float().isfinite().all()) for t in weights.values())
