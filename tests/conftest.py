@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 import pytest
 from core_bundle import write_word_bundle
-from helpers import BackgroundBench, hub_files, run_train, tiny_flags
+from helpers import hub_files, run_train, tiny_flags
 from reused_processes import Commands, Ranks
 
 from bench.multinode import stop_processes_under
@@ -258,26 +258,6 @@ def ranks_started_early(request):
         request.getfixturevalue("ranks").start(3)
 
 
-@pytest.fixture(scope="session")
-def chaos_bench(raychat_home, tmp_path_factory):
-    """`python -m bench.chaos --short` (tests/test_chaos.py checks it), started with the session: its
-    own 4-node cluster and inputs, ~2-3 minutes of faults that overlap the unit tier. Stopped at the
-    end of the session if its test did not wait for it."""
-    out = tmp_path_factory.mktemp("chaos")
-    args = ["--short", "--seed", "1", "--time-limit", "600", "--out", str(out),
-            "--results", str(out / "RESULTS.md")]
-    bench = BackgroundBench("bench.chaos", args, out)
-    yield bench
-    bench.finish(timeout=0)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def benches_started_early(request):
-    """A bench some selected test checks starts with the session, not when that test comes."""
-    if any("chaos_bench" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("chaos_bench")
-
-
 # Tiers: `pytest -m unit` is the fast check before every commit (no Ray instance, no cluster, no
 # training run); the full `pytest` is what CI runs. A test is a unit test unless it is marked ray,
 # cluster or slow, or asks for the shared Ray instance.
@@ -289,6 +269,3 @@ def pytest_collection_modifyitems(config, items):
         marks = {mark.name for mark in item.iter_markers()}
         if not NOT_UNIT & marks and "ray_session" not in item.fixturenames:
             item.add_marker(pytest.mark.unit)
-    # The unit tier first, each tier in file order: its failures show in the first minutes, and the
-    # benches started with the session (`benches_started_early`) use the CPU it leaves idle.
-    items.sort(key=lambda item: item.get_closest_marker("unit") is None)

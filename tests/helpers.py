@@ -7,13 +7,11 @@ Fixtures live in conftest.py; the other helper modules here each serve one conce
 (run_output: what a driver may print; trace_audit: exactly-once accounting from a trace;
 core_bundle: tiny CORE bundles; tiny_training: a few AdamW steps)."""
 
-import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,7 +36,6 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
-from bench.multinode import stop_processes_under
 from raychat.checkpoint.format import latest_valid_checkpoint
 from raychat.checkpoint.reader import load_checkpoint
 from raychat.config import TrainConfig
@@ -106,6 +103,8 @@ def gone_cluster_recorded() -> Iterator[str]:
     """A private RAY_TMPDIR whose ray_current_cluster names a cluster that is gone (127.0.0.1:1), as
     a machine's last `ray start` leaves it: a command that lets ray.init() find "the machine's cluster"
     there fails. Whatever Ray started under it is stopped at the end."""
+    from bench.multinode import stop_processes_under
+
     ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths stay < 108 chars
     os.makedirs(os.path.join(ray_tmp, "ray"))
     with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
@@ -115,64 +114,6 @@ def gone_cluster_recorded() -> Iterator[str]:
     finally:
         stop_processes_under(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
-class BackgroundBench:
-    """`python -m MODULE ARGS --temp-dir DIR` as a user runs a bench, in its own process group and on a
-    Ray temp dir of its own, started while other tests run: a long bench that needs nothing of the
-    session (its own cluster, its own inputs) overlaps the unit tier, which conftest orders first and
-    which leaves most of the CPU idle. Its test waits for it (`finish`) and checks what it wrote."""
-
-    def __init__(self, module: str, args: list[str], out: Path):
-        self.temp_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths < 108 chars
-        self.output = out / "output.log"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        with open(self.output, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", module, *args, "--temp-dir", self.temp_dir],
-                                         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        self.result: tuple[int, str, list[str]] | None = None
-
-    def finish(self, timeout: float) -> tuple[int, str, list[str]]:
-        """(exit code, output, what it left running) once it ended, within `timeout` s or killed then
-        (exit code -9). Whatever it or its cluster left is stopped here, and named as left running."""
-        if self.result is None:
-            leftovers: list[str] = []
-            try:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout=timeout)
-                if self.proc.poll() is not None:
-                    leftovers = left_running(self.temp_dir, self.proc.pid)
-            finally:
-                with contextlib.suppress(ProcessLookupError):  # the bench, or what it left in its group
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-                stop_processes_under(self.temp_dir)
-                shutil.rmtree(self.temp_dir, ignore_errors=True)
-            self.result = self.proc.returncode, self.output.read_text(), leftovers
-        return self.result
-
-
-def left_running(temp_dir: str, group: int, grace_s: float = 15.0) -> list[str]:
-    """Processes of process group `group` or of the Ray cluster under `temp_dir` still alive `grace_s`
-    after the bench exited (a stopped raylet's agents and a dashboard's forkserver take a few seconds
-    to go; zombies, already dead, do not count)."""
-    import psutil
-
-    deadline = time.monotonic() + grace_s
-    while True:
-        found = []
-        for p in psutil.process_iter(["pid", "cmdline", "status"]):
-            try:
-                if p.info["status"] == psutil.STATUS_ZOMBIE:
-                    continue
-                if temp_dir in " ".join(p.info["cmdline"] or []) or os.getpgid(p.pid) == group:
-                    found.append(" ".join(p.info["cmdline"] or [])[:120])
-            except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
-                continue
-        if not found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.5)
 
 
 def log_lines(output: str, pattern: re.Pattern) -> list[re.Match]:
