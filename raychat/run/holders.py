@@ -42,7 +42,7 @@ class Replica:
     loop_state: LoopState | None = None  # rank 0
     extra: dict | None = None  # rank 0: the optimizer's plain data, as a checkpoint's index keeps it
     units: tuple[int, int | None] | None = None  # rank 0: (train units, shuffle seed) for merge_cursor
-    log_tail: list[str] | None = None  # rank 0: the metrics log's records not yet written (its steps)
+    log_tail: list[str] | None = None  # rank 0: the metrics log's records not yet written
 
     @property
     def key(self) -> tuple[int, int]:

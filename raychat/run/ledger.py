@@ -140,7 +140,8 @@ def ledger(records: list[dict[str, Any]]) -> Ledger:
             wall_from = launched
         else:
             # Steps the ended attempt finished whose records never reached the log (held back for up to
-            # a second on local disk, 30 s in a bucket, when rank 0 was killed) are known from the
+            # a second on local disk, 30 s in a bucket, when rank 0 was killed, and past the memory
+            # replica the attempt resumed from, which carried those before it) are known from the
             # coordinator: redone, not waiting. Only when the
             # coordinator saw a step the log did not: its progress call follows the step's record.
             unlogged = (start.get("last_progress_step") or -1) > last_logged

@@ -395,5 +395,5 @@ class Publisher:
             sink.flush()
 
     def held_back(self) -> list[str]:
-        """What the sinks hold back now (rank 0's metrics log: its unwritten step records)."""
+        """What the sinks hold back now (rank 0's metrics log: the records it has not written yet)."""
         return [line for sink in self._sinks for line in sink.held_back()]

@@ -48,6 +48,7 @@ from raychat.storage import Storage
 METRICS_FILE = "metrics.jsonl"
 LOCAL_FLUSH_S = 1.0
 REMOTE_FLUSH_S = 30.0
+CARRIED_MAX = 10_000  # records a memory replica carries (~4 MB of step records: 30 s at 300 steps/s)
 
 
 def _clean(value: Any) -> Any:
@@ -73,17 +74,21 @@ class MetricsLog(Sink):
         existing, self._file = run.open_append(METRICS_FILE)
         text = existing.decode(errors="replace")
         # What a memory replica carried (`held_back` when it was taken) and the file lacks: the killed
-        # attempt's, written first. The file has all or none of them (a write takes all it holds);
-        # none when a restore from that set wrote them before or the killed attempt did.
-        written = set(text.splitlines())
+        # attempt's, written first. A write takes all it holds, in order, so the file lacks none of
+        # them or the last ones (a write cut short: parse_records reads a repeated line once); none
+        # when the killed attempt wrote them after the replica, or a restore from that set did.
+        written = set(text.splitlines()) if carried else set()
         self._pending = [line for line in carried or [] if line not in written]
         # A killed attempt may have left half a line: start ours on a line of its own.
         self._needs_newline = bool(existing) and not existing.endswith(b"\n")
-        # what earlier attempts wrote
-        self.earlier = parse_records(text + "".join(line + "\n" for line in self._pending))
+        # what earlier attempts wrote, the carried records included
+        ours = "".join(line + "\n" for line in self._pending)
+        self.earlier = parse_records(text + ("\n" if self._needs_newline and ours else "") + ours)
 
     def held_back(self) -> list[str]:
-        return list(self._pending)
+        """The records not yet written, at most the newest CARRIED_MAX: a storage outage holds back
+        everything it lasts, and a memory replica that carries them is sent every step or two."""
+        return self._pending[-CARRIED_MAX:]
 
     def publish(self, record: Record) -> None:
         match record:

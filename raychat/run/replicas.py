@@ -343,23 +343,25 @@ class MemoryRestore:
                  all_gather: Callable[[Any], list[Any]], log: Callable[[str], None]):
         self.holders, self.found, self.key, self.world = holders, found, key, world
         self.meta, self.extra, self.all_gather, self.log = meta, extra, all_gather, log
-        self.log_tail = log_tail  # the metrics log's records rank 0 held back when the set was taken
+        self.log_tail = log_tail  # rank 0: the metrics log's records it held back when the set was taken
         self.checkpoint = "peer memory"
 
     @classmethod
     def agree(cls, holders: list[Any], epoch: int, min_step: int, model: GPTConfig, rank: int,
               all_gather: Callable[[Any], list[Any]], log: Callable[[str], None]) -> "MemoryRestore | None":
         """Rank 0 finds the newest whole set and reads its cursors and loop state; every rank hears."""
-        choice = None
+        choice, log_tail = None, []
         if rank == 0 and holders:
             try:
                 choice = _read_choice(holders, epoch, min_step, model, log)
             except (ray.exceptions.RayError, TimeoutError, KeyError) as e:
                 log(f"Memory replicas: could not be read ({type(e).__name__}); resuming from storage")
+            if choice is not None:  # rank 0's alone: the others have no metrics log to write it to
+                *choice, log_tail = choice
         choice = all_gather(choice)[0]
         if choice is None:
             return None
-        found, key, world, meta, extra, log_tail = choice
+        found, key, world, meta, extra = choice
         return cls(holders, found, key, world, meta, extra, log_tail, all_gather, log)
 
     def load(self, read: Callable[[MemoryReader], T], local: Any | None = None) -> T | None:

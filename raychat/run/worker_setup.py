@@ -274,7 +274,7 @@ def _publisher(w: Worker, state: LoopState, run: Storage, precision: str, peak_s
                resumed_from: str | None, times: dict, carried: list[str]) -> Publisher:
     """Rank 0's sinks (gauges, wandb, the run's metrics log, which records this attempt's start with
     the plan, for raychat.report, and the times of its start, for the time ledger); the other ranks
-    only report to Ray Train. `carried`: the step records a memory replica brought (rank 0's held back
+    only report to Ray Train. `carried`: the records a memory replica brought (what rank 0 held back
     when it was taken), written before the start."""
     if not w.master:
         return Publisher([LogLines(w.log), TrainReport()])
@@ -372,7 +372,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     # The saver's lineage goes on from the newest durable checkpoint whichever tier the state came from.
     resumed_from = restore.checkpoint.name if share is not None and restore.checkpoint is not None else None
     resumed_label = (source.checkpoint if source is memory else resumed_from) if share is not None else None
-    carried = memory.log_tail if source is memory else []  # step records the killed attempt held back
+    carried = memory.log_tail if source is memory else []  # the records the killed attempt held back
     done("read_state")
     if earlier_holders and me.rank == 0:  # they keep the set resumed from, until this attempt has its own
         retain_only(earlier_holders, memory.key if source is memory else None)
