@@ -6,8 +6,9 @@ A run goes through the same four stages whoever drives it:
                checkpoint to resume from (or nanochat's weights to start from), all checked before
                any worker starts
   connect_ray  join the cluster (RAY_ADDRESS, `ray job submit`) or start a local Ray instance
-  fit_run      the TorchTrainer, with the stop note cleared before and read after; a user error
-               raised inside a worker comes back as its own one line
+  fit_run      Ray Train's trainer (its process group: raychat.run.process_group), with the stop
+               note cleared before and read after; a user error raised inside a worker comes back
+               as its own one line
   summary      what the run reached (min val bpb, steps, tokens, time, restarts, memory, checkpoint)
 The workers get the resolved config, the plan and corpus index computed here, the run's session and
 the checkpoint to resume from: nothing they would have to resolve again differently.
@@ -22,10 +23,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from raychat.checkpoint.format import highest_sequence, latest_valid_checkpoint, read_meta
 from raychat.checkpoint.meta import CheckpointMeta
@@ -66,6 +68,7 @@ from raychat.run.elastic import (
 )
 from raychat.run.lease import RunLease
 from raychat.run.loop import train_loop_per_worker
+from raychat.run.process_group import ProcessGroupConfig
 from raychat.run.quiet import VERBOSE_ENV, quiet_ray, verbose
 from raychat.run.ray_internals import record_command_line_redacted, without_dataset_manager
 from raychat.run.runtime_env import worker_runtime_env
@@ -332,10 +335,14 @@ def train_logging() -> LoggingConfig:
     return LoggingConfig(log_level="INFO" if verbose() else "WARNING")
 
 
-class RaychatTrainer(TorchTrainer):
-    """Ray's TorchTrainer without the Ray Data manager an attempt would start for datasets raychat
-    never hands it (ray_internals.without_dataset_manager): one process less on every restart's
-    path."""
+class RaychatTrainer(DataParallelTrainer):
+    """Ray's TorchTrainer as raychat runs it: its process group set up from a module that does not
+    import torch (raychat.run.process_group: Ray Train's controller process then never loads it), and
+    without the Ray Data manager an attempt would start for datasets raychat never hands it
+    (ray_internals.without_dataset_manager): one process less on every restart's path."""
+
+    def __init__(self, train_loop_per_worker: Callable[[dict], None], **kwargs: Any):
+        super().__init__(train_loop_per_worker, backend_config=ProcessGroupConfig(), **kwargs)
 
     def _create_default_callbacks(self) -> list:
         return without_dataset_manager(super()._create_default_callbacks(), self.datasets)
@@ -343,7 +350,7 @@ class RaychatTrainer(TorchTrainer):
 
 def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
                   run_config_overrides: dict | None = None) -> RaychatTrainer:
-    """The TorchTrainer of one run. Checkpoints carry `run.session`, so a restarted worker group
+    """The trainer of one run. Checkpoints carry `run.session`, so a restarted worker group
     resumes from what this run wrote and a new run from the driver's choice; the run's coordinator
     actor (raychat.run.coordinator) is named after it."""
     # The dashboard's Train view (runs, attempts, workers) needs Ray Train's state tracking, which
