@@ -4,7 +4,7 @@ Both sides train the same model (same seed, same init) with the same optimizer, 
 schedules and rows, and print nanochat's step line, which this script parses:
 
 - raychat: `python -m raychat.train` as a subprocess, the real driver path: a local Ray instance,
-  a TorchTrainer with one worker, the Ray Data loader feeding it.
+  Ray Train's trainer with one worker, the Ray Data loader feeding it.
 - plain: this script's child process, no Ray: the rows raychat's TrainLoader delivers (materialised
   once into the cache dir), fed to the worker's own step function (raychat.run.step.train_step:
   micro-batches, loss scaled by the global token count, schedules, MuonAdamW step, one host sync)

@@ -5,7 +5,7 @@ each size wants; iso-FLOP (`--depths ... --flops 1e18,3e18`) trains every depth 
 budget, which is what the compute-optimal fit in `tune.report` needs (Chinchilla's approach 2).
 
 Each trial is a complete raychat run through the same driver as `python -m raychat.train`
-(raychat.run.driver: the same checks, the same TorchTrainer, the same one-line errors; Ray Train V2
+(raychat.run.driver: the same checks, the same trainer, the same one-line errors; Ray Train V2
 inside Tune), so a trial has its own worker group, elasticity, failure handling and checkpoints.
 Rank 0's reports reach Tune through a TuneReportCallback; the trial driver itself does no work and
 sits on the head node when the cluster offers `raychat_driver` slots (cluster/*.yaml), never on a
