@@ -6,12 +6,13 @@ Ray Train's controller is a process of its own on every run's start, and it unpi
 backend config: Ray's TorchConfig lives in ray.train.torch.config, which imports torch at its top,
 1.5-2 s of CPU of the controller's 3.6 s on a 2-core node (measured: a tiny run's processes), taken
 from the CPUs the worker group starts on. Here torch is imported only by the functions the workers
-run, which import it anyway. The config names no framework: Ray Train's state tracking would then
+run, which import it anyway (the controller still loads it to unpickle a worker's torch error, on
+a failure's path). The config names no framework: Ray Train's state tracking would then
 fetch torch's version from a worker for the dashboard's Train view, a `TorchVersion` whose unpickling
 imports torch in the controller after all (the view lists Ray's version alone).
 """
 
-import contextlib
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import ray
 from ray.train.backend import Backend, BackendConfig
 
 SHUTDOWN_S = 30.0  # how long the group's end waits for its ranks to leave the process group
+SHUTDOWN_ENV = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"  # Ray's name for it, which overrides it
+logger = logging.getLogger(__name__)
 
 
 class _CudaDevice:
@@ -43,9 +46,12 @@ class _CudaDevice:
 @dataclass
 class ProcessGroupConfig(BackendConfig):
     """One process group over the worker group: NCCL when the workers have GPUs, gloo otherwise.
-    `timeout_s`: how long a collective waits for a rank (torch's default)."""
+    `timeout_s`: how long a collective waits for a rank (Ray's default)."""
 
     timeout_s: int = 1800
+
+    def to_dict(self) -> dict[str, Any]:  # the dashboard's Train view shows it
+        return {"backend": "nccl on GPUs, gloo otherwise", "init_method": "env", "timeout_s": self.timeout_s}
 
     @property
     def backend_cls(self) -> type[Backend]:
@@ -71,15 +77,19 @@ class _ProcessGroup(Backend):
     def on_shutdown(self, worker_group: Any, backend_config: ProcessGroupConfig) -> None:
         futures = worker_group.execute_async(leave_process_group, destroy=len(worker_group) > 1)
         # A rank stuck in a collective is not waited for: Ray Train ends its process next.
-        with contextlib.suppress(ray.exceptions.GetTimeoutError):
-            ray.get(futures, timeout=SHUTDOWN_S)
+        timeout_s = float(os.environ.get(SHUTDOWN_ENV) or SHUTDOWN_S)
+        try:
+            ray.get(futures, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            logger.warning(f"the process group did not end within {timeout_s:.0f} s ({SHUTDOWN_ENV})")
 
 
 def rendezvous_address() -> tuple[str, int]:
     """On rank 0: its node's address and a port free there, where the other ranks meet it."""
-    with socket.socket() as s:
+    address = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
         s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return address, s.getsockname()[1]
 
 
 def join_process_group(backend: str, world_rank: int, world_size: int, address: str, port: int,

@@ -13,7 +13,7 @@ tasks: the runtime env's worker_process_setup_hook, raychat.run.runtime_env):
     at ray.init (raychat.run.driver.ray_line says where the dashboard is and how to get its token;
     the loggers are named in raychat.run.ray_internals).
 The Train controller's and workers' narration of each attempt (resource requests, state transitions,
-the worker group and its list, the process group, the failure policy's retry) is silenced through
+the worker group and its list, the failure policy's retry) is silenced through
 Ray Train's own LoggingConfig (raychat.run.driver.train_logging); raychat says each attempt in one
 line of its own (raychat.run.worker_setup).
 Warnings Ray raises about its own internals, which raychat cannot fix, are filtered one by one, each
@@ -47,7 +47,7 @@ STRICT_ENV = "RAYCHAT_STRICT_WARNINGS"
 RAY_INTERNAL_WARNINGS = [
     # ray/train/_internal/data_config.py, DataConfig.default_ingest_options, passes
     # ExecutionOptions(exclude_resources=...), whose setter warns (ray/data/_internal/execution/
-    # interfaces/execution_options.py): raised for every TorchTrainer with a Ray Data dataset.
+    # interfaces/execution_options.py): raised for every Ray Train trainer with a Ray Data dataset.
     r"`ExecutionOptions\.exclude_resources` is deprecated",
     # ray/data/context.py, DataContext.__setattr__, warns while DataContext.__init__ sets its own
     # deprecated defaults (use_push_based_shuffle): raised by the first use of Ray Data in a process.
