@@ -38,8 +38,9 @@ def test_status_of_a_running_run(ray_session, tiny_corpus, storage, commands):
         command = ["raychat.status", "--run-name", "live", "--storage-path", storage,
                    "--address", ray_session.dashboard_url]
         result = commands.run(*command, env=ray_session.driver_env(), timeout=120)
-        # Ray Train's controller, a process on every run's start, never loads torch (the workers do):
-        # raychat's process group is set up from a module without it (raychat.run.process_group).
+        # Ray Train's controller, a process on every run's start, loads no torch on a run without
+        # failures (the workers do): raychat's process group is set up from a module without it
+        # (raychat.run.process_group).
         loaded = {kind: torch_loaded_by(ray_session, kind) for kind in ("TrainController", "RayTrainWorker")}
     finally:
         proc.terminate()

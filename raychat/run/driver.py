@@ -330,17 +330,17 @@ def ray_storage(location: str) -> dict:
 def train_logging() -> LoggingConfig:
     """Ray Train's own lines on the console at WARNING and above unless --verbose: its controller and
     workers narrate every attempt at INFO (resource requests, state transitions, the worker group and
-    its list, the failure policy's retry), which raychat says in one line per
-    attempt. Ray Train's system log files in the session directory keep every level."""
+    its list, the failure policy's retry), which raychat says in one line per attempt. Ray Train's
+    system log files in the session directory keep every level."""
     return LoggingConfig(log_level="INFO" if verbose() else "WARNING")
 
 
 class RaychatTrainer(DataParallelTrainer):
-    """Ray Train's trainer set up as its TorchTrainer would be, but for its process group, set up from
-    a module that does not import torch (raychat.run.process_group: Ray Train's controller then loads
-    torch only to read a worker's torch error), and
-    without the Ray Data manager an attempt would start for datasets raychat never hands it
-    (ray_internals.without_dataset_manager): one process less on every restart's path."""
+    """Ray Train's trainer set up as its TorchTrainer would be, but for two things: its process group
+    is set up from a module that does not import torch (raychat.run.process_group: Ray Train's
+    controller then loads torch only to read a worker's torch error), and it starts no Ray Data
+    manager for datasets raychat never hands it (ray_internals.without_dataset_manager): one process
+    less on every restart's path."""
 
     def __init__(self, train_loop_per_worker: Callable[[dict], None], **kwargs: Any):
         super().__init__(train_loop_per_worker, backend_config=ProcessGroupConfig(), **kwargs)

@@ -7,8 +7,8 @@ backend config: Ray's TorchConfig lives in ray.train.torch.config, which imports
 1.5-2 s of CPU of the controller's 3.6 s on a 2-core node (measured: a tiny run's processes), taken
 from the CPUs the worker group starts on. Here torch is imported only by the functions the workers
 run, which import it anyway (the controller still loads it to unpickle a worker's torch error, on
-a failure's path). The config names no framework: Ray Train's state tracking would then
-fetch torch's version from a worker for the dashboard's Train view, a `TorchVersion` whose unpickling
+a failure's path). The config names no framework: Ray Train's state tracking would then fetch
+torch's version from a worker for the dashboard's Train view, a `TorchVersion` whose unpickling
 imports torch in the controller after all (the view lists Ray's version alone).
 """
 
