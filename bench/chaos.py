@@ -62,7 +62,7 @@ from bench.multinode import (
     tiny_run_flags,
     use_token_auth,
 )
-from raychat.run.metrics_log import METRICS_FILE, parse_records
+from raychat.run.metrics_log import parse_records, read_log
 from raychat.storage import Storage
 
 ALL_KINDS = ("kill_worker", "node_loss", "node_swap", "spot_drain", "kill_driver", "short_horizon",
@@ -363,9 +363,8 @@ class ChaosRun:
 
     def start_records(self) -> list[dict]:
         """The run's attempt starts as its metrics log has them so far."""
-        if not self.run_dir.exists(METRICS_FILE):
-            return []
-        return [r for r in parse_records(self.run_dir.read_text(METRICS_FILE)) if r["kind"] == "start"]
+        text = read_log(self.run_dir)  # (a bucket's log is in parts)
+        return [] if text is None else [r for r in parse_records(text) if r["kind"] == "start"]
 
     def mistake(self, fault: Fault, steps: int | None, expect: str) -> None:
         """An operator's launch that must be refused: exit 2, one `raychat: error:` line saying `expect`."""

@@ -2,13 +2,27 @@
 attempt wrote, and the final timeline a reader gets from it."""
 
 import json
+import os
+import threading
+import time
+from urllib.parse import parse_qsl, urlsplit
 
 import pytest
+from conftest import s3_uri
 
+from bench.s3_fault_proxy import S3FaultProxy
+from raychat import faults
 from raychat.checkpoint.fence import Fence, LeaseRecord, create_record
 from raychat.run import metrics_log
 from raychat.run.metrics import Publisher
-from raychat.run.metrics_log import METRICS_FILE, MetricsLog, final_timeline, parse_records, read_timeline
+from raychat.run.metrics_log import (
+    METRICS_FILE,
+    MetricsLog,
+    final_timeline,
+    parse_records,
+    read_log,
+    read_timeline,
+)
 from raychat.storage import Storage
 
 
@@ -73,16 +87,16 @@ def test_steps_are_batched_and_a_superseded_writer_appends_nothing(storage, monk
     log = MetricsLog(run, Fence(run, 1))
 
     def kinds() -> list[str]:
-        return [r["kind"] for r in map(json.loads, run.read_text(METRICS_FILE).splitlines())]
+        return [r["kind"] for r in map(json.loads, read_log(run).splitlines())]
 
     log.write("step", step=0, loss=4.0)
-    assert not run.exists(METRICS_FILE)
+    assert log.wait(30) and read_log(run) is None
     log.write("eval", step=1, val_bpb=3.0)
-    assert kinds() == ["step", "eval"]
+    assert log.wait(30) and kinds() == ["step", "eval"]  # (the writer's thread writes it)
     monkeypatch.setattr(metrics_log, "LOCAL_FLUSH_S", 0.0)
     monkeypatch.setattr(metrics_log, "REMOTE_FLUSH_S", 0.0)
     log.write("step", step=1, loss=3.9)  # its interval is over: written at once
-    assert kinds() == ["step", "eval", "step"]
+    assert log.wait(30) and kinds() == ["step", "eval", "step"]
 
     create_record(run, LeaseRecord(epoch=2, holder="b", host="h", pid=2, started="now", floor=0))
     log.write("step", step=2, loss=3.8)
@@ -109,15 +123,17 @@ def disk_full_after(extra: int) -> None:
 
 log = MetricsLog(run)
 disk_full_after(0)
-log.write("start", step=0, world_size=1)  # written at once: fails, kept
+log.write("start", step=0, world_size=1)  # written at once (by the log's thread): fails, kept
+assert not log.wait(30)
 for step in range(3):
     log.write("step", step=step, dt=1.0, loss=4.0)
 disk_full_after(120)
-log.flush()  # cut short: the start record whole, the first step's cut
+assert not log.flush()  # cut short: the start record whole, the first step's cut
 disk_full_after(40)
-log.flush()  # cut short inside the start record
+assert not log.flush()  # cut short inside the start record
 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 log.write("eval", step=3, val_bpb=3.0)  # written at once, with all it held
+assert log.wait(30)
 """
 
 
@@ -168,13 +184,14 @@ def test_steps_held_back_at_a_replica_are_written_by_the_attempt_resumed_from_it
 
     killed = MetricsLog(run)
     killed.write("start", step=0, world_size=1)  # written at once
+    assert killed.wait(30)
     steps(killed, 0, 4)
     carried = Publisher([killed]).held_back()  # the replica of the state before step 4
     steps(killed, 4, 5)  # then the kill: nothing more reaches the file
     if run.appends_in_place:  # killed in the middle of a write: a torn last line
         with open(run.path(METRICS_FILE), "a") as f:
             f.write('{"kind": "eval", "step": 4, "va')
-    assert [r["kind"] for r in parse_records(run.read_text(METRICS_FILE))] == ["start"]
+    assert [r["kind"] for r in parse_records(read_log(run))] == ["start"]
 
     resumed = MetricsLog(run, carried=carried)
     assert [r["kind"] for r in resumed.earlier] == ["start", "step", "step", "step", "step"]
@@ -187,7 +204,7 @@ def test_steps_held_back_at_a_replica_are_written_by_the_attempt_resumed_from_it
     steps(again, 4, 7)
     again.flush()
 
-    records = parse_records(run.read_text(METRICS_FILE))  # (the torn line skipped)
+    records = parse_records(read_log(run))  # (the torn line skipped)
     assert [r["kind"] for r in records] == (
         ["start"] + ["step"] * 4 + ["start"] + ["step"] * 2 + ["start"] + ["step"] * 3)
     timeline = read_timeline(run)
@@ -198,3 +215,147 @@ def test_steps_held_back_at_a_replica_are_written_by_the_attempt_resumed_from_it
     monkeypatch.setattr(metrics_log, "CARRIED_MAX", 2)
     steps(again, 7, 10)
     assert [json.loads(line)["step"] for line in again.held_back()] == [8, 9]
+
+
+# -----------------------------------------------------------------------------
+# The writer off the training thread (issue 48): parts in a bucket, a stalled store, a failing one
+
+
+def bucket_objects(run: Storage) -> dict[str, tuple[str, int]]:
+    """Every object below the run's prefix: key -> (ETag, size), as the bucket itself lists them."""
+    import boto3
+
+    parts = urlsplit(run.location.unredacted())
+    endpoint = dict(parse_qsl(parts.query))["endpoint_override"]
+    client = boto3.client("s3", endpoint_url=f"http://{endpoint}")
+    bucket, _, prefix = run.path().lstrip("/").partition("/")
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])
+    return {o["Key"][len(prefix) + 1:]: (o["ETag"], o["Size"]) for o in listed}
+
+
+def test_a_bucket_log_is_one_new_object_per_flush(s3_endpoint):
+    """An object store cannot append: each flush is a new object (a part) below the run, none is ever
+    rewritten, and the parts in order are the log. A log an older writer left whole (with a torn last
+    line: its writer killed) comes first."""
+    run = Storage(s3_uri(s3_endpoint, f"parts-{time.time_ns()}")).child("r")
+    old = json.dumps({"kind": "start", "time": 1.0, "step": 0, "world_size": 1, "tag": "old"})
+    run.write_bytes(METRICS_FILE, (old + '\n{"kind": "step", "st').encode())
+    log = MetricsLog(run)
+    assert [r["tag"] for r in log.earlier] == ["old"]
+    seen = bucket_objects(run)
+    written = []
+    for step in range(4):
+        written.append(log.write("start" if step == 0 else "step", step=step, world_size=1, tag="new"))
+        assert log.flush(wait_s=30)
+        now = bucket_objects(run)
+        assert {k: now[k] for k in seen} == seen  # nothing there before was rewritten
+        assert len(now) == len(seen) + 1  # one new object per flush
+        seen = now
+    assert seen[METRICS_FILE] == bucket_objects(run)[METRICS_FILE]
+    parts = [key for key in seen if key.startswith(f"{METRICS_FILE}.parts/")]
+    assert len(parts) == 4
+    text = "".join(run.read_text(key) for key in sorted(parts))
+    assert [json.loads(line) for line in text.splitlines()] == written  # each line once, in order
+    records = parse_records(read_log(run))
+    assert [(r["kind"], r["tag"]) for r in records] == [("start", "old")] + [
+        ("start", "new")] + [("step", "new")] * 3
+    # The next attempt's parts come after this one's, whatever their numbers.
+    again = MetricsLog(run)
+    assert [r["tag"] for r in again.earlier] == ["old", "new", "new", "new", "new"]
+    again.write("start", step=2, world_size=1, tag="next")
+    assert again.flush(wait_s=30)
+    assert [r["tag"] for r in read_timeline(run).starts] == ["old", "new", "next"]
+
+
+def test_the_training_thread_does_not_wait_on_a_stalled_bucket(s3_endpoint, monkeypatch):
+    """Rank 0's training thread hands records over and goes on: a bucket frozen for a while (the fault
+    proxy holds every request) delays the log, not the steps, and the log loses nothing meanwhile."""
+    monkeypatch.setattr(faults, "FIRST_DELAY_S", 0.05)
+    prefix = f"stalled-{time.time_ns()}"
+    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+        run = Storage(s3_uri(proxy.address, prefix)).child("r")
+        log = MetricsLog(run)
+        proxy.inject("stall", seconds=6)
+        started = time.monotonic()
+        log.write("start", step=0, world_size=1)  # written at once: in the background
+        for step in range(50):
+            log.write("step", step=step, dt=1.0, loss=4.0)
+        log.write("eval", step=50, val_bpb=3.0)
+        elapsed = time.monotonic() - started
+        assert elapsed < 1.0, f"the training thread waited {elapsed:.1f} s on a stalled bucket"
+        assert log.flush(wait_s=0) is False  # asked for, not waited for
+        assert len(log.held_back()) == 52  # nothing dropped while the bucket is frozen
+        proxy.clear()
+        assert log.flush(wait_s=60)
+    timeline = read_timeline(Storage(s3_uri(s3_endpoint, prefix)).child("r"))
+    assert [r["step"] for r in timeline.steps] == list(range(50)) and len(timeline.evals) == 1
+    assert log.held_back() == []
+
+
+def test_the_training_thread_does_not_wait_on_a_hung_disk(tmp_path, capfd):
+    """On local disk (or NFS) the log is appended in place, also off the training thread: a disk that
+    hangs (here the log is a FIFO no one reads: opening it for writing blocks) delays the log only,
+    and what it could not write is written once the disk is back."""
+    run = Storage(str(tmp_path / "r"))
+    log = MetricsLog(run)
+    os.makedirs(run.path())
+    os.mkfifo(run.path(METRICS_FILE))
+    reader: list[int] = []
+    # The disk "comes back" after 3 s (a reader opens the FIFO, which lets its writer's open return,
+    # and the append then fails: a FIFO cannot be appended to): a training thread that waited for it
+    # would wait that long.
+    thaw = threading.Timer(3.0, lambda: reader.append(os.open(run.path(METRICS_FILE),
+                                                               os.O_RDONLY | os.O_NONBLOCK)))
+    thaw.start()
+    try:
+        started = time.monotonic()
+        log.write("start", step=0, world_size=1)
+        log.write("step", step=0, dt=1.0, loss=4.0)
+        log.write("eval", step=1, val_bpb=3.0)
+        elapsed = time.monotonic() - started
+        assert elapsed < 1.0, f"the training thread waited {elapsed:.1f} s on a hung disk"
+        thaw.join()
+        assert not log.wait(30)
+    finally:
+        thaw.cancel()
+        for fd in reader:
+            os.close(fd)
+    assert "cannot write" in capfd.readouterr().err
+    os.unlink(run.path(METRICS_FILE))  # a plain file system again
+    assert log.flush()
+    assert [r["kind"] for r in parse_records(read_log(run))] == ["start", "step", "eval"]
+
+
+def test_a_failing_bucket_is_retried_then_said_once_and_nothing_is_lost(s3_endpoint, monkeypatch, capfd):
+    """A burst of 500s is ridden out (raychat.faults.retry_transient) without a word about the log; a
+    bucket that keeps failing past the retry budget is said in one line, without slowing the training
+    thread, the records are kept and the next flush once it works again writes each of them once."""
+    monkeypatch.setattr(faults, "FIRST_DELAY_S", 0.05)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # boto3's own retries off: each fault reaches ours
+    monkeypatch.setenv("RAYCHAT_RETRY_BUDGET_S", "60")
+    prefix = f"failing-{time.time_ns()}"
+    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+        run = Storage(s3_uri(proxy.address, prefix)).child("r")
+        log = MetricsLog(run)
+        burst = proxy.inject("error500", count=3, method="PUT")
+        log.write("start", step=0, world_size=1)
+        assert log.flush(wait_s=60) and burst.hits == 3
+        assert "cannot write" not in capfd.readouterr().err
+
+        monkeypatch.setenv("RAYCHAT_RETRY_BUDGET_S", "0.5")
+        proxy.inject("error500", method="PUT")  # until cleared
+        for step in range(3):
+            log.write("step", step=step, dt=1.0, loss=4.0)
+        started = time.monotonic()
+        log.write("eval", step=3, val_bpb=3.0)  # written at once: by the log's thread
+        elapsed = time.monotonic() - started
+        assert elapsed < 1.0, f"the training thread waited {elapsed:.1f} s on a failing bucket"
+        assert not log.flush(wait_s=60)
+        assert not log.flush(wait_s=60)  # failing again: no second line
+        err = capfd.readouterr().err
+        assert sum("cannot write" in line for line in err.splitlines()) == 1, err
+        assert [json.loads(line)["kind"] for line in log.held_back()] == ["step"] * 3 + ["eval"]
+        proxy.clear()
+        assert log.flush(wait_s=60) and log.held_back() == []
+    records = parse_records(read_log(Storage(s3_uri(s3_endpoint, prefix)).child("r")))
+    assert [r["kind"] for r in records] == ["start", "step", "step", "step", "eval"]

@@ -9,7 +9,7 @@ from helpers import STEP_LINE, VAL_LINE, log_lines
 
 from raychat.report.__main__ import main as report_main
 from raychat.report.document import build_report
-from raychat.run.metrics_log import METRICS_FILE, read_timeline
+from raychat.run.metrics_log import METRICS_FILE, read_log, read_timeline
 from raychat.storage import Storage
 
 pytestmark = pytest.mark.ray
@@ -78,7 +78,7 @@ def test_report_of_a_tiny_run_and_its_rerun(two_worker_run, tmp_path, capsys):
     assert 0 < ledger.goodput < 1 and f"goodput {100 * ledger.goodput:.1f}%" in out
 
     # A snapshot: the log as it stood after the first run's step 5 (a run still going).
-    records = run.read_text(METRICS_FILE).splitlines()
+    records = read_log(run).splitlines()  # (in a bucket: its parts, in order)
     cut = next(i for i, r in enumerate(map(json.loads, records)) if r["kind"] == "step" and r["step"] == 5)
     partial = Storage(str(tmp_path / "partial")).child("basic")
     partial.write_bytes(METRICS_FILE, "\n".join(records[:cut + 1]).encode() + b"\n")

@@ -28,7 +28,7 @@ import pyarrow.fs as pafs
 
 from raychat.common import RaychatError, check_name, default_storage_path, run_cli
 from raychat.report.document import REPORT_FILE, write_run_report
-from raychat.run.metrics_log import METRICS_FILE
+from raychat.run.metrics_log import has_log
 from raychat.storage import Storage, join_uri, normalize_location
 from tune.fit import ComputeOptimal, compute_optimal
 from tune.plots import EvalCurve, bpb_vs_flops_figure, iso_flop_figure, save_figure
@@ -281,7 +281,7 @@ def write_report(path: str, out: str | Path, log=print) -> list[dict[str, Any]]:
     runs = Storage(path).child(TRAIN_RUNS_DIR)
     reports = {}
     for name in runs.subdirs():
-        if runs.exists(f"{name}/{METRICS_FILE}"):
+        if has_log(runs.child(name)):
             write_run_report(runs.child(name), target.child(TRIAL_REPORTS_DIR, name), log=lambda _: None)
             reports[name] = f"{TRIAL_REPORTS_DIR}/{name}/{REPORT_FILE}"
     with tempfile.TemporaryDirectory(prefix="raychat-report-") as tmp:

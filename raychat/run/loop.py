@@ -42,6 +42,7 @@ from raychat.run.core_metric import core_due, evaluate_core
 from raychat.run.elastic import ElasticSignals, notice_margin
 from raychat.run.holders import Replica
 from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
+from raychat.run.metrics_log import flush_soon
 from raychat.run.quiet import quiet_ray
 from raychat.run.ray_internals import preemption_deadline
 from raychat.run.step import train_step
@@ -132,7 +133,9 @@ def save(w: Worker, state: LoopState, wait: bool) -> bool:
         except LeaseLost as e:
             lost = str(e)
     if lost is None:
-        w.publisher.flush()  # the metrics log holds every step a checkpoint covers, even in a bucket
+        # The metrics log is asked to write every step the checkpoint covers, in its own thread: the
+        # save does not wait on it (a replica carries what it still holds).
+        flush_soon()
         w.saver.prepare(state.step)
     held = w.replicator.held_step if w.replicator is not None else None  # the step a peer node holds
     gathered = all_gather_objects((w.loader.state(), uuid.uuid4().hex, lost, held), w.world_size)

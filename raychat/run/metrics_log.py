@@ -8,30 +8,36 @@ Train. A restarted attempt redoes the steps after its checkpoint and appends the
 reader keeps the final timeline: at each start at step s, what earlier attempts wrote for steps
 from s on is dropped (evals and samples at s itself are kept unless redone).
 
-Step records are held back and written together: on local disk (appended to where it is) at most
-every LOCAL_FLUSH_S seconds, in a bucket (which cannot append: the whole file is rewritten,
-`Storage.open_append`) at most every REMOTE_FLUSH_S seconds. Every other record is written at once,
-with the steps before it, and so is everything before a checkpoint and at the end of an attempt.
-Each write lists the run's lease first (a superseded writer never appends), so a write per step
-cost rank 0 about half a millisecond of every step, the whole gap between two steps of a small
-model. What rank 0 holds back travels with its memory replicas (raychat.run.replicas): an attempt
-resumed from peer memory does not redo those steps, so it writes their records first. What a killed
-rank 0 held back past its last replica is known to the run's coordinator (its step count) and
-counted as redone by the time ledger: the resumed attempt redoes those steps. A failed write never
-stops training: it is retried with the next flush, on a line of its own.
+Rank 0's training thread never waits on storage for it: records are handed to a writer thread
+(raychat.run.append_writer), which writes what it holds when asked. Step records are held back and
+written together: on local disk (appended to where it is) at most every LOCAL_FLUSH_S seconds, in a
+bucket at most every REMOTE_FLUSH_S seconds. Every other record is asked to be written at once, with
+the steps before it, and so is everything before a checkpoint (without waiting: `flush_soon`). At
+the end of an attempt, by error too, `flush` waits for the write, at most FLUSH_BUDGET_S seconds.
+A bucket cannot append, and rewriting the log whole at every flush uploaded it again and again: there
+each flush is a new object, `metrics.jsonl.parts/part_<attempt>_<seq>.jsonl`, none ever rewritten,
+and `read_log` reads the log a writer of the whole file left (if one did) then the parts in order, as
+one log. Each write lists the run's lease first (a superseded writer never appends). What rank 0
+holds back, what is being written included, travels with its memory replicas
+(raychat.run.replicas): an attempt resumed from peer memory does not redo those steps, so it writes
+their records first. What a killed rank 0 held back past its last replica is known to the run's
+coordinator (its step count) and counted as redone by the time ledger: the resumed attempt redoes
+those steps. A failed write never stops training: transient faults are retried
+(raychat.faults.retry_transient), and a write that still fails is said in one line and its records
+kept for the next flush.
 """
 
 import json
 import math
 import sys
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import pyarrow as pa
-
 from raychat.checkpoint.fence import Fence
-from raychat.faults import StorageUnavailable
+from raychat.faults import retry_transient
+from raychat.run.append_writer import BackgroundWriter, PartedFile, part_names, read_whole
 from raychat.run.ledger import Ledger, ledger
 from raychat.run.metrics import (
     AttemptStarted,
@@ -43,12 +49,15 @@ from raychat.run.metrics import (
     Sink,
     StepDone,
 )
-from raychat.storage import Storage
+from raychat.storage import AppendFile, Storage
 
 METRICS_FILE = "metrics.jsonl"
 LOCAL_FLUSH_S = 1.0
 REMOTE_FLUSH_S = 30.0
 CARRIED_MAX = 10_000  # records a memory replica carries (~4 MB of step records: 30 s at 300 steps/s)
+HELD_MAX = 200_000  # records held while storage fails (~80 MB): past it the oldest go, said in a line
+FLUSH_BUDGET_S = 10.0  # how long the end of an attempt waits for the log's last write
+_open_logs: "weakref.WeakSet[MetricsLog]" = weakref.WeakSet()  # this process's (rank 0's) logs
 
 
 def _clean(value: Any) -> Any:
@@ -63,32 +72,44 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsLog(Sink):
-    """Appends records to one run's metrics.jsonl (create on rank 0 only): every record the publisher
-    hands it, with all its fields."""
+    """Appends records to one run's metrics log (create on rank 0 only): every record the publisher
+    hands it, with all its fields, written by a thread of its own."""
 
     def __init__(self, run: Storage, fence: Fence | None = None, carried: list[str] | None = None):
         self._run = run
-        self._fence = fence or Fence(run, 0)  # a superseded writer's lines never reach the file
         self._last_flush = time.monotonic()
-        self._warned = False
-        existing, self._file = run.open_append(METRICS_FILE)
-        text = existing.decode(errors="replace")
-        # What a memory replica carried (`held_back` when it was taken) and the file lacks: the killed
-        # attempt's, written first. A write takes all it holds, in order, so the file lacks none of
+        parts = part_names(run, METRICS_FILE)
+        if run.appends_in_place and not parts:
+            existing, file = run.open_append(METRICS_FILE)
+            text = existing.decode(errors="replace")
+            # A killed attempt may have left half a line: start ours on a line of its own.
+            torn = bool(existing) and not existing.endswith(b"\n")
+            destination: _InPlace | PartedFile = _InPlace(file, torn)
+        else:  # a bucket (or a run whose log is in parts already: appending to the file would misorder it)
+            text = read_whole(run, METRICS_FILE, parts) or ""
+            destination = PartedFile(run, METRICS_FILE, parts)
+        # What a memory replica carried (`held_back` when it was taken) and the log lacks: the killed
+        # attempt's, written first. A write takes all it holds, in order, so the log lacks none of
         # them or the last ones (a write cut short: parse_records reads a repeated line once); none
         # when the killed attempt wrote them after the replica, or a restore from that set did.
         written = set(text.splitlines()) if carried else set()
-        self._pending = [line for line in carried or [] if line not in written]
-        # A killed attempt may have left half a line: start ours on a line of its own.
-        self._needs_newline = bool(existing) and not existing.endswith(b"\n")
+        missing = [line for line in carried or [] if line not in written]
         # what earlier attempts wrote, the carried records included
-        ours = "".join(line + "\n" for line in self._pending)
-        self.earlier = parse_records(text + ("\n" if self._needs_newline and ours else "") + ours)
+        ours = "".join(line + "\n" for line in missing)
+        apart = "\n" if text and not text.endswith("\n") and ours else ""
+        self.earlier = parse_records(text + apart + ours)
+        where = str(run.child(METRICS_FILE))
+        # The writer's thread holds no reference to this object: one the publisher dropped ends it.
+        self._writer = BackgroundWriter(_Write(destination, fence or Fence(run, 0), where), where, HELD_MAX)
+        weakref.finalize(self, self._writer.stop)
+        for line in missing:
+            self._writer.add(line, flush=False)
+        _open_logs.add(self)
 
     def held_back(self) -> list[str]:
-        """The records not yet written, at most the newest CARRIED_MAX: a storage outage holds back
+        """The records not written yet, at most the newest CARRIED_MAX: a storage outage holds back
         everything it lasts, and a memory replica that carries them is sent every step or two."""
-        return self._pending[-CARRIED_MAX:]
+        return self._writer.held()[-CARRIED_MAX:]
 
     def publish(self, record: Record) -> None:
         match record:
@@ -107,34 +128,73 @@ class MetricsLog(Sink):
                 self.write("report", **metrics, **so_far)  # written at once, as every record but steps
 
     def write(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Log one record; returns it as written (with its time)."""
+        """Log one record (handed to the writer: never waits on storage); returns it as written (with
+        its time)."""
         record = _clean({"kind": kind, "time": time.time(), **fields})  # a time in `fields` wins
-        self._pending.append(json.dumps(record))
         every = LOCAL_FLUSH_S if self._run.appends_in_place else REMOTE_FLUSH_S
-        if kind != "step" or time.monotonic() - self._last_flush >= every:
-            self.flush()
+        now = time.monotonic()
+        due = kind != "step" or now - self._last_flush >= every
+        if due:
+            self._last_flush = now
+        self._writer.add(json.dumps(record), flush=due)
         return record
 
-    def flush(self) -> None:
-        if not self._pending:
-            return
-        data = ("\n" if self._needs_newline else "") + "".join(line + "\n" for line in self._pending)
+    def flush(self, wait_s: float | None = None) -> bool:
+        """Write every record held now, waiting up to `wait_s` seconds (default FLUSH_BUDGET_S: the end
+        of an attempt, by error too; 0: ask and go on). True once all of them are written."""
+        self._last_flush = time.monotonic()
+        budget = FLUSH_BUDGET_S if wait_s is None else wait_s
+        done = self._writer.flush(budget)
+        if not done and budget > 0:
+            held = len(self._writer.held())
+            if held:  # at an attempt's end: what may never be written is said, not lost silently
+                print(f"raychat: {held} records of {self._run.child(METRICS_FILE)} are not written yet "
+                      "(storage failing or slow): a memory replica carries the newest", file=sys.stderr,
+                      flush=True)
+        return done
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the writes asked for so far; True if they all succeeded."""
+        return self._writer.wait(timeout)
+
+
+class _InPlace:
+    """Appends to the log where it is (local disk, NFS)."""
+
+    def __init__(self, file: AppendFile, needs_newline: bool):
+        self._file, self._needs_newline = file, needs_newline
+
+    def append(self, data: bytes) -> None:
         try:
-            if self._fence.newer() is not None:  # another driver holds the run: its log, not ours
-                self._pending = []
-                return
-            self._file.append(data.encode())
-        except (OSError, pa.ArrowException, StorageUnavailable) as e:
+            self._file.append((b"\n" if self._needs_newline else b"") + data)
+        except BaseException:
             # A write cut short (a full disk) that could not be cut off again left part of a line: the
             # retry starts on a line of its own (what it wrote whole and writes again, parse_records
             # reads once).
             self._needs_newline = True
-            if not self._warned:  # the checkpoints matter more than this log: say so once, train on
-                print(f"raychat: cannot write {self._run.child(METRICS_FILE)} ({e}); will retry",
-                      file=sys.stderr, flush=True)
-                self._warned = True
+            raise
+        self._needs_newline = False
+
+
+class _Write:
+    """One write of the writer thread: the lease checked, then the lines appended, transient faults
+    retried."""
+
+    def __init__(self, destination: "_InPlace | PartedFile", fence: Fence, where: str):
+        self._destination, self._fence, self._where = destination, fence, where
+
+    def __call__(self, lines: list[str]) -> None:
+        if self._fence.newer() is not None:  # another driver holds the run: its log, not ours
             return
-        self._pending, self._needs_newline, self._last_flush = [], False, time.monotonic()
+        data = "".join(line + "\n" for line in lines).encode()
+        retry_transient(lambda: self._destination.append(data), f"writing {self._where}")
+
+
+def flush_soon() -> None:
+    """Ask this process's metrics log (rank 0's) to write what it holds, without waiting (before a
+    checkpoint: the log then holds the steps the checkpoint covers, and the save does not wait)."""
+    for log in list(_open_logs):
+        log.flush(wait_s=0)
 
 
 @dataclass
@@ -197,8 +257,17 @@ def final_timeline(records: list[dict[str, Any]]) -> Timeline:
                     ledger(records))
 
 
+def read_log(run: Storage) -> str | None:
+    """The run's metrics log as one text (the whole file, then a bucket's parts in order), or None
+    when it has none (yet)."""
+    return read_whole(run, METRICS_FILE)
+
+
+def has_log(run: Storage) -> bool:
+    return run.exists(METRICS_FILE) or bool(part_names(run, METRICS_FILE))
+
+
 def read_timeline(run: Storage) -> Timeline | None:
     """The final timeline of the run at `run`, or None when it has no metrics log (yet)."""
-    if not run.exists(METRICS_FILE):
-        return None
-    return final_timeline(parse_records(run.read_text(METRICS_FILE)))
+    text = read_log(run)
+    return None if text is None else final_timeline(parse_records(text))
