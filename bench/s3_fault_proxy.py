@@ -13,14 +13,17 @@ this one consistent).
     proxy.inject("stall", seconds=20)                       # frozen for 20 s, then answers again
     proxy.inject("reset", method="PUT", match="rank_0000")  # every PUT of that file: connection reset
     proxy.inject("error500", seconds=60, probability=0.3)   # a minute of intermittent 500s (seeded)
+    proxy.inject("drop_conditions")                         # a store that ignores If-None-Match/If-Match
 
 Kinds: "delay" (answer after `delay_s`), "slowdown" (503 SlowDown), "error500" (500 InternalError),
+"notimplemented" (501 NotImplemented, what a store answers a request it does not implement),
 "reset" (TCP reset after reading the request), "stall" (hold each request until the fault's window
 ends, then forward it: a frozen endpoint that thaws), "cut" (forward, then send half the body and
-close). A fault applies to requests matching `method` and `match` (a substring of the path, i.e.
-/bucket/key), while its window (`seconds` from now) lasts and until it has hit `count` requests.
-`probability` faults draw from the proxy's seeded generator: the same seed and the same sequence of
-requests meet the same faults.
+close), "drop_conditions" (forward without the If-None-Match and If-Match headers: the S3-compatible
+stores and proxies that ignore conditional writes). A fault applies to requests matching `method`
+and `match` (a substring of the path, i.e. /bucket/key), while its window (`seconds` from now) lasts
+and until it has hit `count` requests. `probability` faults draw from the proxy's seeded generator:
+the same seed and the same sequence of requests meet the same faults.
 """
 
 import http.client
@@ -34,7 +37,9 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-KINDS = ("delay", "slowdown", "error500", "reset", "stall", "cut")
+KINDS = ("delay", "slowdown", "error500", "notimplemented", "reset", "stall", "cut", "drop_conditions")
+# What a store that ignores conditional writes drops: the preconditions of S3's PUT.
+CONDITION_HEADERS = {"if-none-match", "if-match"}
 
 # Hop-by-hop headers: they describe one connection, so the proxy sets its own on each side.
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "expect", "te", "trailer", "upgrade",
@@ -43,6 +48,8 @@ HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "expect", "te", 
 S3_ERRORS = {  # kind -> (status, S3 error code, message), as AWS S3 words them
     "slowdown": (503, "SlowDown", "Please reduce your request rate."),
     "error500": (500, "InternalError", "We encountered an internal error. Please try again."),
+    "notimplemented": (501, "NotImplemented", "A header you provided implies functionality that is not "
+                       "implemented."),
 }
 
 
@@ -198,7 +205,8 @@ def _handler_class(proxy: S3FaultProxy) -> type[BaseHTTPRequestHandler]:
                 fault.ended.wait(fault.delay_s)
             elif kind == "stall":
                 fault.ended.wait(max(0.0, fault.until - time.monotonic()))
-            status, headers, payload = self._forward(body)
+            status, headers, payload = self._forward(body, drop=CONDITION_HEADERS
+                                                     if kind == "drop_conditions" else set())
             if kind == "cut" and len(payload) > 1:
                 self.send_response(status)
                 for name, value in headers:
@@ -212,13 +220,14 @@ def _handler_class(proxy: S3FaultProxy) -> type[BaseHTTPRequestHandler]:
                 return
             self._answer(status, headers, payload)
 
-        def _forward(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
-            """The upstream's answer to this request, sent with the client's own headers (Host kept)."""
+        def _forward(self, body: bytes, drop: set[str]) -> tuple[int, list[tuple[str, str]], bytes]:
+            """The upstream's answer to this request, sent with the client's own headers (Host kept)
+            but those named in `drop`."""
             connection = http.client.HTTPConnection(proxy.upstream, timeout=300)
             try:
                 connection.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
                 for name, value in self.headers.items():
-                    if name.lower() not in HOP_HEADERS and name.lower() != "content-length":
+                    if name.lower() not in HOP_HEADERS | drop and name.lower() != "content-length":
                         connection.putheader(name, value)
                 if body or self.command in ("PUT", "POST"):
                     connection.putheader("Content-Length", str(len(body)))

@@ -8,6 +8,7 @@ Precedence: dataclass default < `--preset` < flags given on the command line.
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +164,12 @@ class TrainConfig(Record):
 
     def validate(self) -> None:
         """Reject impossible values with the flag's name and the fix."""
+        for f in dataclasses.fields(self):
+            # argparse's float() takes "inf" and "nan", which pass every comparison below that a number
+            # would fail (nan) or break the arithmetic they feed long after the start (inf).
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise RaychatError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
         positive = ["depth", "aspect_ratio", "head_dim", "max_seq_len", "vocab_size"]
         for name in positive:
             if getattr(self, name) < 1:

@@ -9,6 +9,7 @@ Everything else (a missing file, access denied, a missing bucket, a corrupt parq
 `RaychatError`) is not retried: it propagates at once, unchanged, for its caller to name.
 """
 
+import math
 import os
 import random
 import re
@@ -23,8 +24,8 @@ import pyarrow as pa
 from raychat.common import RaychatError, StorageUnavailable
 
 T = TypeVar("T")
-__all__ = ["StorageUnavailable", "is_missing", "is_transient", "retry_transient", "retry_budget_s",
-           "short_reason"]
+__all__ = ["StorageUnavailable", "check_settings", "is_missing", "is_transient", "retry_transient",
+           "retry_budget_s", "short_reason"]
 
 DEFAULT_BUDGET_S = 300.0       # minutes, not seconds: a throttled bucket or a restarting endpoint
 FIRST_DELAY_S = 0.5
@@ -34,11 +35,14 @@ MAX_DELAY_S = 30.0
 # What pyarrow's S3/GCS clients put in the OSError they raise for faults that heal by themselves:
 # AWS SDK error names ("AWS Error SLOW_DOWN during GetObject operation"), HTTP 5xx statuses, curl's
 # transport errors (6 resolve, 7 connect, 18 body cut short, 28 timeout, 52 empty reply, 55/56
-# send/recv), GCS's UNAVAILABLE / DEADLINE_EXCEEDED, and the plain socket words.
+# send/recv), GCS's UNAVAILABLE / DEADLINE_EXCEEDED, and the plain socket words. A 501 is no fault
+# of the moment: the store does not implement the request, and will not on the next try. A host
+# that does not resolve stays transient here (a DNS hiccup mid-run heals); a typo'd one is caught
+# by the pre-flight at start (raychat.storage.Storage.check_endpoint).
 _TRANSIENT_TEXT = re.compile(
     r"aws error (network_connection|slow_down|throttling|service_unavailable|internal_failure"
     r"|request_timeout|request_limit_exceeded|too_many_requests)"
-    r"|http (status|response code):? 5\d\d|http (status|response code):? 429"
+    r"|http (status|response code):? 5(?!01)\d\d|http (status|response code):? 429"
     r"|curlcode: (6|7|18|28|52|55|56)\b"
     r"|\b(unavailable|deadline_exceeded|resource_exhausted)\b"
     r"|slowdown|slow down|reduce your request rate|throttl"
@@ -52,7 +56,8 @@ _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 # Words that mark a fault no retry heals, even when its message also says something transient-looking.
 _PERMANENT_TEXT = re.compile(
     r"access ?denied|access_denied|permission_denied|forbidden|http (status|response code):? 40[34]"
-    r"|no_?such_?bucket|no such bucket|invalidaccesskeyid|signaturedoesnotmatch|no space left|quota exceeded",
+    r"|no_?such_?bucket|no such bucket|invalidaccesskeyid|signaturedoesnotmatch|no space left|quota exceeded"
+    r"|not_?implemented|http (status|response code):? 501",
     re.IGNORECASE)
 
 
@@ -117,12 +122,29 @@ def short_reason(error: BaseException) -> str:
 
 def retry_budget_s() -> float:
     """Seconds a transient incident is ridden out: $RAYCHAT_RETRY_BUDGET_S, else 5 minutes."""
-    value = os.environ.get("RAYCHAT_RETRY_BUDGET_S", "")
+    return _seconds_setting("RAYCHAT_RETRY_BUDGET_S", DEFAULT_BUDGET_S, "e.g. 300")
+
+
+def _seconds_setting(name: str, default: float, example: str) -> float:
+    """$`name` as a finite number of seconds >= 0 (`default` when unset), or one RaychatError line."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
     try:
-        return float(value) if value else DEFAULT_BUDGET_S
+        seconds = float(value)
     except ValueError:
-        raise RaychatError(f"RAYCHAT_RETRY_BUDGET_S={value!r} is not a number of seconds: "
-                           "set it to e.g. 300, or unset it") from None
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise RaychatError(f"{name}={value!r} is not a number of seconds >= 0: set it to {example}, "
+                           "or unset it")
+    return seconds
+
+
+def check_settings() -> None:
+    """Every RAYCHAT_* setting read here, parsed now: called at a run's start, so a malformed one is
+    refused in one line before anything runs, not at the first storage fault hours in (where the
+    same error would end the run)."""
+    retry_budget_s()
 
 
 def _warn(line: str) -> None:

@@ -8,9 +8,11 @@ shown from its storage alone.
 """
 
 import argparse
+import http.client
 import json
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any
 from raychat.checkpoint.format import latest_valid_checkpoint
 from raychat.common import RaychatError, run_cli
 from raychat.run.metrics_log import read_timeline
-from raychat.storage import Storage, run_directory
+from raychat.storage import Storage, redact, run_directory
 
 TRAIN_RUNS_API = "/api/train/v2/runs/v1"
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
@@ -33,21 +35,51 @@ def auth_token() -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
+class _Redirected(Exception):
+    """A redirect to another origin than the dashboard's address: where to."""
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to the address's own scheme, host and port: urllib copies the request's
+    headers, the cluster's token among them, to wherever a redirect points."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = urllib.parse.urlsplit(urllib.parse.urljoin(req.full_url, newurl))
+        old = urllib.parse.urlsplit(req.full_url)
+        if (new.scheme, new.hostname, new.port) != (old.scheme, old.hostname, old.port):
+            raise _Redirected(newurl)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 def train_runs(address: str, token: str | None, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """Every Ray Train run the dashboard at `address` knows, or a RaychatError saying why not."""
+    """Every Ray Train run the dashboard at `address` knows, or a RaychatError saying why not. The
+    token goes to that address only; a user:password in it is never printed (nor sent: Ray's
+    dashboard takes its token, and urllib would read the user:password as part of the host)."""
+    if "://" not in address:  # host:port, as `ray dashboard` and RAY_ADDRESS write it
+        address = f"http://{address}"
+    shown = redact(address)
+    parts = urllib.parse.urlsplit(address)
+    if "@" in parts.netloc:
+        address = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
     request = urllib.request.Request(address.rstrip("/") + TRAIN_RUNS_API)
     if token:
-        request.add_header("Authorization", f"Bearer {token}")
+        request.add_unredirected_header("Authorization", f"Bearer {token}")
+    opener = urllib.request.build_opener(_SameOriginRedirects)
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with opener.open(request, timeout=timeout_s) as response:
             return json.loads(response.read())["train_runs"]
+    except _Redirected as e:
+        raise RaychatError(f"the dashboard at {shown} redirected to another address ({redact(str(e))}), "
+                           "which is not sent the cluster's token: pass that address as --address if it is "
+                           "the dashboard") from None
     except urllib.error.HTTPError as e:
         denied = e.code in (401, 403)
         hint = ("run `ray get-auth-token` where the cluster runs and set RAY_AUTH_TOKEN" if denied
-                else e.read().decode(errors="replace")[:200])
-        raise RaychatError(f"the dashboard at {address} refused the state API ({e.code}): {hint}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise RaychatError(f"no Ray dashboard at {address} ({e}); pass --address (through `ray dashboard` "
+                else " ".join(e.read().decode(errors="replace").split())[:200])
+        raise RaychatError(f"the dashboard at {shown} refused the state API ({e.code}): {hint}") from None
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:  # a bad port, say
+        reason = str(getattr(e, "reason", e)).replace(address, shown)
+        raise RaychatError(f"no Ray dashboard at {shown} ({reason}); pass --address (through `ray dashboard` "
                            "for a cluster) or use --storage-only") from None
 
 

@@ -11,6 +11,8 @@ URI's path, never appended after its `?query` and never through `pathlib` (which
 import errno
 import os
 import re
+import socket
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -421,10 +423,7 @@ class Storage:
 
     def _bucket_key(self, name: str) -> tuple[str, str]:
         if urlsplit(self.location).scheme != "s3":
-            raise RaychatError(
-                f"{self} is on a store where raychat cannot create a file atomically (it can on local disk, "
-                "NFS and S3-compatible buckets): one writer per run cannot be guaranteed there; use an s3:// "
-                "location (GCS has an S3-compatible endpoint: storage.googleapis.com) or a shared filesystem")
+            raise RaychatError(f"{self}: {_NO_ATOMIC_CREATE}")
         bucket, _, prefix = self.path(name).lstrip("/").partition("/")
         return bucket, prefix
 
@@ -461,22 +460,36 @@ class Storage:
                           aws_secret_access_key=unquote(parts.password or ""))
         return boto3.client("s3", **kwargs)
 
-    def check_writable(self, flag: str = "--storage-path") -> None:
-        """Write and delete a probe file, or raise one RaychatError line naming the URI and the fix.
+    def check_endpoint(self, flag: str) -> None:
+        """Refuse, in one line naming `flag`, the host and the fix, an endpoint_override whose host does
+        not resolve or that nothing answers at. A pre-flight for a command's start only: mid-run the
+        same faults are transient (raychat.faults), retried for minutes, which a typo must not cost."""
+        if (endpoint := self._endpoint_override()) is None:
+            return
+        host, port = endpoint
+        if (why := unresolvable(host, budget_s=ENDPOINT_BUDGET_S)) is not None:
+            raise RaychatError(f"{flag} {self}: the endpoint's host {host} cannot be resolved ({why}); fix "
+                               "the host in endpoint_override (a typo?) or this machine's DNS")
+        # A typed endpoint that nothing answers at fails here in seconds; a write or read would retry
+        # it for its whole budget, and pyarrow's client for as long again.
+        if (why := unreachable(host, port, budget_s=ENDPOINT_BUDGET_S)) is not None:
+            raise RaychatError(f"{flag} {self}: the endpoint cannot be reached "
+                               f"({host}:{port}: {why}); check endpoint_override, the network and the server")
+
+    def check_writable(self, flag: str = "--storage-path", lease: bool = True) -> None:
+        """Write and delete a probe file, or raise one RaychatError line naming the URI and the fix;
+        with `lease` (a run's storage), also prove that the store creates a file atomically.
 
         Called before any worker starts, so an unreachable endpoint, a missing bucket, missing
-        credentials or a refused write costs seconds, not a run.
+        credentials, a refused write or a store that cannot give a run its lease costs seconds, not a run.
         """
-        from raychat.faults import retry_transient  # (it imports nothing of storage)
+        from raychat.faults import check_settings, retry_transient  # (it imports nothing of storage)
 
-        if (endpoint := self._endpoint_override()) is not None:
-            # A typed endpoint that nothing answers at fails here in seconds; the write below would
-            # retry it for its whole budget, and pyarrow's client for as long again.
-            host, port = endpoint
-            if (why := unreachable(host, port, budget_s=ENDPOINT_BUDGET_S)) is not None:
-                raise RaychatError(f"{flag} {self} is not writable: the endpoint cannot be reached "
-                                   f"({host}:{port}: {why}); check endpoint_override, the network and the "
-                                   "server")
+        check_settings()  # the retry budget below, and the run's, read from the environment
+        if lease and not self._local and urlsplit(self.location).scheme != "s3":
+            # Before any request: no credentials, network or time are needed to know this.
+            raise RaychatError(f"{flag} {self}: {_NO_ATOMIC_CREATE}")
+        self.check_endpoint(flag)
         probe = f".raychat_write_test_{uuid.uuid4().hex}"
         try:
             # A short budget: before any worker starts, a typo in the endpoint must cost seconds,
@@ -485,10 +498,44 @@ class Storage:
                             budget_s=PROBE_BUDGET_S)
             retry_transient(lambda: self.delete(probe), f"deleting the probe file in {self}",
                             budget_s=PROBE_BUDGET_S)
+            if lease:
+                self._check_atomic_create(flag, retry_transient)
         except (OSError, pa.ArrowException, StorageUnavailable) as e:
             cause = e.__cause__ if isinstance(e, StorageUnavailable) and e.__cause__ is not None else e
             raise RaychatError(f"{flag} {self} is not writable: {self.location.scrub(_storage_reason(cause))}"
                                ) from None
+
+    def _check_atomic_create(self, flag: str, retry_transient: Callable) -> None:
+        """Create one scratch file exclusively twice: the second must find it there. A store that
+        ignores S3's If-None-Match (some S3-compatible servers and proxies drop it) answers both as
+        created, and two drivers would each take the run's lease and write it at once."""
+        scratch = f".raychat_lease_test_{uuid.uuid4().hex}"
+        try:
+            for data in (b"1", b"2"):
+                # A first create whose answer was lost and is retried may find its own file: False
+                # then, and still right. Only a second create that says "created" disproves the store.
+                created = retry_transient(lambda data=data: self.create_exclusive(scratch, data),
+                                          f"creating a scratch file in {self}", budget_s=PROBE_BUDGET_S)
+            if created:
+                raise RaychatError(f"{flag} {self} cannot give the run its lease (one writer per run): "
+                                   "the store let one file be created exclusively twice (it ignores "
+                                   "S3's If-None-Match), so two drivers could both write the run; use "
+                                   "S3, an S3-compatible store that honours If-None-Match, local disk or NFS")
+        finally:
+            with suppress(OSError, pa.ArrowException, StorageUnavailable):
+                retry_transient(lambda: self.delete(scratch), f"deleting the scratch file in {self}",
+                                budget_s=PROBE_BUDGET_S)
+
+    @contextmanager
+    def write_faults_as_errors(self, flag: str) -> Iterator[None]:
+        """For a command that writes here once (a corpus): a storage fault inside becomes one
+        RaychatError line naming `flag` and the fix, never a traceback with the filesystem's text."""
+        try:
+            yield
+        except (OSError, pa.ArrowException, StorageUnavailable) as e:
+            cause = e.__cause__ if isinstance(e, StorageUnavailable) and e.__cause__ is not None else e
+            reason = self.location.scrub(_storage_reason(cause))
+            raise RaychatError(f"{flag} {self} cannot be written: {reason}") from None
 
 
 class AppendFile:
@@ -520,8 +567,28 @@ class AppendFile:
 
 
 Location = str | Path | Storage
+# Why a run's storage must be one of these: its lease rests on an atomic create (raychat.checkpoint.fence).
+_NO_ATOMIC_CREATE = ("raychat cannot give a run its lease (one writer per run) on this store today: it "
+                     "creates a file atomically only on local disk, NFS and S3 or S3-compatible stores that "
+                     "honour If-None-Match; use one of those for --storage-path")
 PROBE_BUDGET_S = 20.0  # how long the pre-flight write probe rides out transient faults
 ENDPOINT_BUDGET_S = 10.0  # how long an endpoint that refuses connections may take to come (back) up
+
+
+def unresolvable(host: str, budget_s: float) -> str | None:
+    """Why `host` does not resolve (the resolver's words), or None once it does. A name the resolver
+    says does not exist is a typo, answered at once; a resolver that fails for the moment
+    (EAI_AGAIN) is asked again, a second apart, for `budget_s`."""
+    deadline = time.monotonic() + budget_s
+    while True:
+        try:
+            socket.getaddrinfo(host, None)
+            return None
+        except socket.gaierror as e:
+            why = (e.strerror or str(e)).lower()
+            if e.errno != socket.EAI_AGAIN or time.monotonic() + 1.0 >= deadline:
+                return why
+        time.sleep(1.0)
 
 
 def _s3_code(e) -> str:
@@ -540,7 +607,9 @@ def _s3_fault(e: Exception, doing: str) -> OSError:
         return ConnectionError(f"{doing}: {type(e).__name__}")
     code, status = _s3_code(e), _s3_status(e)
     transient = ("ConditionalRequestConflict", "SlowDown", "Throttling")
-    if code in transient or status in (409, 429) or status >= 500:
+    # 501: the store does not implement the request (a conditional write, say), now or on a retry.
+    if code != "NotImplemented" and (code in transient or status in (409, 429) or (status >= 500
+                                                                                   and status != 501)):
         return ConnectionError(f"{doing}: {code or status}")
     return OSError(f"{doing}: {code or e}")
 
@@ -562,6 +631,9 @@ def _storage_reason(error: BaseException, access: str = "write") -> str:
     """One phrase for why storage refused `access`, and what to do about it."""
     text = " ".join(str(error).split())
     lowered = text.lower()
+    if any(s in lowered for s in ("notimplemented", "not_implemented", "not implemented", "status 501")):
+        return ("the store does not implement a request raychat makes (501 NotImplemented; a conditional "
+                "write, say): use S3, or an S3-compatible store that implements it")
     if any(s in lowered for s in ("nosuchbucket", "bucket does not exist", "no such bucket", "not found")) \
             and "bucket" in lowered:
         return "the bucket does not exist; create it or fix the bucket name"

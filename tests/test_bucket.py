@@ -235,3 +235,14 @@ def test_a_shard_deleted_mid_run_ends_the_run_in_one_line(ray_session, tiny_corp
     line = one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     assert f"{last_train} is gone" in line, line
     assert len(log_lines(out, STEP_LINE)) < 200
+
+
+def test_a_corpus_written_to_a_bucket_that_cannot_take_it_is_one_line(commands, s3_endpoint):
+    """`synthetic --out` (as every command that writes a corpus) to a bucket that does not exist or an
+    endpoint whose host does not resolve: one line naming --out, the bucket and the fix, no traceback."""
+    cases = {s3_uri(s3_endpoint, "corpus", bucket="no-such-bucket"): "the bucket does not exist",
+             "s3://bucket/corpus?endpoint_override=minio.no-such-host.invalid:9000&scheme=http":
+                 "the endpoint's host minio.no-such-host.invalid cannot be resolved"}
+    for uri, reason in cases.items():
+        line = one_error_line(run_corpus_cli(commands, "synthetic", "--out", uri, "--docs", "10"))
+        assert line.startswith(f"raychat: error: --out {uri}") and reason in line, line

@@ -1,14 +1,18 @@
 """Every public command explains itself, and the README documents every training flag."""
 
+import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import one_error_line
 
-from raychat.config import TrainConfig, flag_table
+from raychat.common import RaychatError
+from raychat.config import TrainConfig, add_config_flags, config_from_args, flag_table
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = [
@@ -75,3 +79,29 @@ def test_readme_starts_with_the_two_commands_ci_runs():
     first_block = readme.split("```bash", 1)[1].split("```", 1)[0]
     assert test_command in first_block
     assert "python -m raychat.train" in first_block
+
+
+FLOAT_FLAGS = ["--" + f.name.replace("_", "-") for f in dataclasses.fields(TrainConfig)
+               if isinstance(f.default, float)]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_every_float_flag_refuses_a_value_that_is_not_finite(value):
+    """argparse's float() takes them, and each passes comparisons a number would fail (nan) or breaks
+    the arithmetic it feeds long after the start (inf)."""
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    assert "--max-lost-minutes" in FLOAT_FLAGS and "--target-flops" in FLOAT_FLAGS
+    for flag in FLOAT_FLAGS:
+        with pytest.raises(RaychatError, match=f"^{flag} must be a finite number, got {value}$"):
+            config_from_args(parser.parse_args([f"{flag}={value}"]))
+
+
+def test_train_refuses_a_float_flag_that_is_not_finite_in_one_line(commands, tmp_path):
+    """Through the command: before anything runs (the missing eval bundle's refusal, which comes after
+    every earlier check, is what a value let through would meet here instead of a run)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAYCHAT_OFFLINE": "1"}
+    for flag, value in (("--max-lost-minutes", "nan"), ("--target-flops", "inf")):
+        result = commands.run("raychat.train", f"{flag}={value}", "--eval-bundle", tmp_path / "none",
+                              env=env, timeout=120)
+        assert one_error_line(result) == f"raychat: error: {flag} must be a finite number, got {value}"

@@ -3,6 +3,7 @@ talking to moto's server through the fault-injecting proxy (bench.s3_fault_proxy
 are ridden out with one line per incident, past the budget they fail the attempt as a plain
 exception, and only what the user must fix is a RaychatError."""
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,9 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import TEST_BUCKET, s3_uri
+from helpers import copy_to_bucket, one_error_line
 
 from bench.s3_fault_proxy import S3FaultProxy
 from raychat import faults
+from raychat import storage as storage_module
 from raychat.checkpoint import fence
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.reader import load_checkpoint
@@ -27,6 +30,9 @@ from raychat.data.loader import _raise_read_failure
 from raychat.faults import StorageUnavailable, is_missing, is_transient, retry_transient
 from raychat.model.gpt import GPTConfig
 from raychat.storage import Storage
+from raychat.tokenizer import remote
+from raychat.tokenizer.core import Tokenizer
+from raychat.tokenizer.remote import local_copy
 
 DOCS = [f"document {i}: " + "words " * (i % 7) for i in range(120)]
 
@@ -347,3 +353,95 @@ def test_an_object_gone_between_open_and_read_is_missing_not_transient():
                    "GetObject operation:")
     assert is_missing(gone) and not is_transient(gone)
     assert not is_missing(OSError("When reading 'runs/no_such_key_here/x': AWS Error SLOW_DOWN"))
+
+
+def refused_at_start(commands, tmp_path, *flags: str, **env: str) -> str:
+    """The one error line of `python -m raychat.train FLAGS` with no cluster to join, in the module's
+    reused interpreter. Any check that passes leads to the missing eval bundle's refusal (offline,
+    before the corpus or Ray), so a check that should have refused shows as that line, never a run."""
+    environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    environment.update(RAYCHAT_OFFLINE="1", **env)
+    return one_error_line(commands.run("raychat.train", "--run-name", "r", "--eval-bundle",
+                                       str(tmp_path / "no-bundle"), *flags, env=environment, timeout=120))
+
+
+BACKSTOP = "eval bundle"  # in the line of the refusal that comes after every start-up check here
+
+
+def test_a_store_that_ignores_if_none_match_cannot_hold_a_run(proxy, commands, tmp_path):
+    """The lease's atomic create, proved by the driver before any worker starts: through a store that
+    drops If-None-Match (moto behind the proxy), the same file is "created" twice, and the run is
+    refused in one line; the honest store passes; gs:// and abfs:// are refused before any request."""
+    honest = s3_uri(proxy.address, f"honest-{time.time_ns()}")
+    assert BACKSTOP in refused_at_start(commands, tmp_path, "--storage-path", honest)
+    proxy.inject("drop_conditions")
+    liar = s3_uri(proxy.address, f"liar-{time.time_ns()}")
+    line = refused_at_start(commands, tmp_path, "--storage-path", liar)
+    assert f"--storage-path {liar} cannot give the run its lease (one writer per run)" in line, line
+    assert "If-None-Match" in line and proxy.injected["drop_conditions"] >= 2
+    assert not Storage(liar).files()  # the scratch file deleted
+    for uri in ("gs://bucket/runs", "abfs://container@account.dfs.core.windows.net/runs"):
+        line = refused_at_start(commands, tmp_path, "--storage-path", uri)
+        assert "--storage-path" in line and "cannot give a run its lease (one writer per run)" in line, line
+
+
+def test_a_store_that_does_not_implement_a_request_is_the_users_at_once(proxy, direct_client, commands,
+                                                                       tmp_path):
+    """501 NotImplemented is no passing fault: not retried, and a run's start refuses it in one line at
+    once (not after the probe's retries as "storage unavailable")."""
+    key = f"{TEST_BUCKET}/not-implemented-{time.time_ns()}"
+    proxy.inject("notimplemented", method="PUT", count=1)
+    got = error_of(lambda: direct_client.open_output_stream(key).close())
+    assert "501" in str(got) and not is_transient(got), got
+    proxy.clear()
+    # The conditional PUT of the lease's probe, through boto3 (raychat.storage._s3_fault).
+    proxy.inject("notimplemented", method="PUT", match="lease_test")
+    started = time.monotonic()
+    uri = s3_uri(proxy.address, f"not-implemented-{time.time_ns()}")
+    line = refused_at_start(commands, tmp_path, "--storage-path", uri)
+    assert "501 NotImplemented" in line and time.monotonic() - started < storage_module.PROBE_BUDGET_S, line
+
+
+def test_a_typo_in_an_endpoint_host_is_refused_at_start_in_one_line(commands, tmp_path):
+    """A host that does not resolve is a typo at start (mid-run a resolver's hiccup is transient, and
+    its retries would take minutes): each location's flag, host and fix, before anything runs."""
+    typo = "s3://bucket/x?endpoint_override=minio.no-such-host.invalid:9000&scheme=http"
+    for flag in ("--storage-path", "--data-dir", "--tokenizer-dir"):
+        line = refused_at_start(commands, tmp_path, flag, typo)
+        assert line.startswith(f"raychat: error: {flag} {typo}: the endpoint's host "
+                               "minio.no-such-host.invalid cannot be resolved"), line
+        assert "fix the host in endpoint_override" in line
+
+
+@pytest.mark.parametrize("value", ["5m", "-1", "inf", "nan"])
+def test_a_malformed_retry_budget_is_refused_at_start(commands, tmp_path, value):
+    """Read at the first storage fault, hours in, it would end the run there: it is read at start."""
+    line = refused_at_start(commands, tmp_path, RAYCHAT_RETRY_BUDGET_S=value)
+    assert f"RAYCHAT_RETRY_BUDGET_S={value!r} is not a number of seconds >= 0" in line, line
+
+
+def test_a_tokenizer_in_a_bucket_rides_out_throttling_and_names_a_missing_one(proxy, s3_endpoint, tiny_corpus,
+                                                                             tmp_path, monkeypatch, capsys,
+                                                                             direct_client):
+    """Every worker reads the bucket's tokenizer at its start: a SlowDown past the client's own retries
+    (off here, as `direct_corpus_client` does for the corpus) is ridden out, one line when it starts and
+    one when it ends, never a run-ending error; a tokenizer that is not there is the user's, in one line."""
+    prefix = f"tokenizer-{time.time_ns()}"
+    copy_to_bucket(tiny_corpus[1], s3_uri(s3_endpoint, prefix))
+    monkeypatch.setenv("RAYCHAT_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(remote, "Storage", lambda location: Storage(location, direct_client,
+                                                                    Storage(location).root))
+    local_copy.cache_clear()
+    try:
+        proxy.inject("slowdown", method="GET", match=f"{prefix}/meta.json", count=3)
+        tokenizer = Tokenizer.load(s3_uri(proxy.address, prefix))
+        assert tokenizer.fingerprint == Tokenizer.load(tiny_corpus[1]).fingerprint
+        assert proxy.injected["slowdown"] == 3
+        err = capsys.readouterr().err
+        assert "storage fault while reading the tokenizer's meta.json" in err, err
+        assert "storage recovered while reading the tokenizer's meta.json" in err, err
+        missing = s3_uri(proxy.address, f"no-tokenizer-{time.time_ns()}")
+        with pytest.raises(RaychatError, match=r"no tokenizer at .* \(meta.json not found\): train one"):
+            Tokenizer.load(missing)
+    finally:
+        local_copy.cache_clear()

@@ -3,6 +3,7 @@ other modules of raychat.corpus; nothing imports this one). It also offers raych
 `download-eval-bundle`, defined there, beside the commands that fetch a corpus."""
 
 import argparse
+import contextlib
 from pathlib import Path
 
 from raychat.common import default_data_dir
@@ -10,6 +11,7 @@ from raychat.corpus import download, fixture, ingest, sample
 from raychat.corpus.check import validate_corpus
 from raychat.corpus.index import DEFAULT_DOCS_PER_SHARD, ROW_GROUP_SIZE
 from raychat.evaluation import download as eval_bundle
+from raychat.storage import Storage, is_uri
 
 DESCRIPTION = """\
 Create, check and inspect raychat corpora: directories of parquet shards in nanochat's layout
@@ -108,23 +110,38 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "check":
+        _check_endpoint(args.data_dir, "DIR")
         print(validate_corpus(args.data_dir or default_data_dir(), deep=args.deep).format())
         return 0
     if args.command == eval_bundle.COMMAND:
         return eval_bundle.run_command(args)
     if args.command == "download":
+        _check_endpoint(args.data_dir, "--data-dir")
         download.download_shards(args.data_dir or default_data_dir(), args.shards, revision=args.revision,
                                  workers=args.workers)
         print(validate_corpus(args.data_dir or default_data_dir()).format())
         return 0
     writer_args = dict(docs_per_shard=args.docs_per_shard, val_docs=args.val_docs, overwrite=args.overwrite)
-    if args.command == "ingest":
-        summary = ingest.ingest(args.paths, args.out, **writer_args)
-    elif args.command == "sample":
-        summary = sample.write_sample_corpus(args.out, max_mb=args.max_mb, **writer_args)
-    else:
-        summary = fixture.write_synthetic_corpus(args.out, args.docs, args.seed, workers=args.workers,
-                                                        **writer_args)
+    out = Storage(args.out) if is_uri(str(args.out)) else None
+    if out is not None:
+        # A bucket that cannot be reached or written fails here, in one line, before any document
+        # is made; and a fault while writing is one line too (a rerun with --overwrite redoes it).
+        out.check_writable("--out", lease=False)
+    with out.write_faults_as_errors("--out") if out is not None else contextlib.nullcontext():
+        if args.command == "ingest":
+            summary = ingest.ingest(args.paths, args.out, **writer_args)
+        elif args.command == "sample":
+            summary = sample.write_sample_corpus(args.out, max_mb=args.max_mb, **writer_args)
+        else:
+            summary = fixture.write_synthetic_corpus(args.out, args.docs, args.seed, workers=args.workers,
+                                                     **writer_args)
     print(summary.format())
     return 0
+
+
+def _check_endpoint(location: str | None, flag: str) -> None:
+    """A bucket URI's endpoint must resolve and answer, or one line says so now (its reads would
+    retry an unreachable endpoint for minutes)."""
+    if location and is_uri(location):
+        Storage(location).check_endpoint(flag)
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from raychat.common import RaychatError, raychat_home
-from raychat.storage import Storage, redact
+from raychat.faults import is_missing, retry_transient
+from raychat.storage import Storage, _storage_reason
 
 
 def cache_dir(location: str) -> Path:
@@ -30,12 +31,8 @@ def local_copy(location: str, names: tuple[str, ...], marker: str) -> Path:
     """The local directory holding `names` and `marker` as they are under the URI `location`; fetched
     when the cache is absent or its marker differs from the bucket's. Once per process and URI."""
     remote = Storage(location)
-    try:
-        wanted = remote.read_bytes(marker)
-    except (OSError, pa.ArrowException) as e:
-        raise RaychatError(f"no tokenizer at {redact(location)} ({marker} unreadable: {e}): train one "
-                           "with `python -m raychat.tokenizer train --tokenizer-dir DIR` and copy DIR into "
-                           "the bucket") from e
+    wanted = _read(remote, marker, "train one with `python -m raychat.tokenizer train --tokenizer-dir DIR` "
+                   "and copy DIR into the bucket")
     target = cache_dir(location)
     if (target / marker).is_file() and (target / marker).read_bytes() == wanted:
         return target
@@ -44,11 +41,7 @@ def local_copy(location: str, names: tuple[str, ...], marker: str) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         for name in names:
-            try:
-                data = remote.read_bytes(name)
-            except (OSError, pa.ArrowException) as e:
-                raise RaychatError(f"tokenizer at {redact(location)} is incomplete ({name} unreadable: "
-                                   f"{e}): copy the whole tokenizer directory into the bucket again") from e
+            data = _read(remote, name, "copy the whole tokenizer directory into the bucket again")
             (staging / name).write_bytes(data)
         (staging / marker).write_bytes(wanted)  # last, as the trainer writes it
         shutil.rmtree(target, ignore_errors=True)
@@ -59,3 +52,16 @@ def local_copy(location: str, names: tuple[str, ...], marker: str) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _read(remote: Storage, name: str, fix: str) -> bytes:
+    """`name`'s bytes, its faults sorted as every storage read's are (raychat.faults): a transient one
+    (throttling, a reset) is retried within the budget, then fails the attempt as StorageUnavailable
+    for Ray to restart it; a missing file or a refusal is the user's to fix, in one line."""
+    try:
+        return retry_transient(lambda: remote.read_bytes(name), f"reading the tokenizer's {name} in {remote}")
+    except (OSError, pa.ArrowException) as e:
+        if is_missing(e):
+            raise RaychatError(f"no tokenizer at {remote} ({name} not found): {fix}") from None
+        reason = remote.location.scrub(_storage_reason(e, access="read"))
+        raise RaychatError(f"the tokenizer at {remote} cannot be read ({name}: {reason})") from None
