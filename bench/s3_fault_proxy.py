@@ -17,6 +17,7 @@ this one consistent).
 
 Kinds: "delay" (answer after `delay_s`), "slowdown" (503 SlowDown), "error500" (500 InternalError),
 "notimplemented" (501 NotImplemented, what a store answers a request it does not implement),
+"forbidden" (403 AccessDenied: a policy that denies some keys),
 "reset" (TCP reset after reading the request), "stall" (hold each request until the fault's window
 ends, then forward it: a frozen endpoint that thaws), "cut" (forward, then send half the body and
 close), "drop_conditions" (forward without the If-None-Match and If-Match headers: the S3-compatible
@@ -37,7 +38,8 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-KINDS = ("delay", "slowdown", "error500", "notimplemented", "reset", "stall", "cut", "drop_conditions")
+KINDS = ("delay", "slowdown", "error500", "notimplemented", "forbidden", "reset", "stall", "cut",
+         "drop_conditions")
 # What a store that ignores conditional writes drops: the preconditions of S3's PUT.
 CONDITION_HEADERS = {"if-none-match", "if-match"}
 
@@ -50,6 +52,7 @@ S3_ERRORS = {  # kind -> (status, S3 error code, message), as AWS S3 words them
     "error500": (500, "InternalError", "We encountered an internal error. Please try again."),
     "notimplemented": (501, "NotImplemented", "A header you provided implies functionality that is not "
                        "implemented."),
+    "forbidden": (403, "AccessDenied", "Access Denied"),
 }
 
 

@@ -12,13 +12,17 @@ A writer may still finish a write it began before it was superseded (a check, th
 the write). So the takeover itself fixes what survives of the old epochs: each record says how far
 its driver found the run (`floor`, the highest sequence among the run's complete checkpoints when
 the epoch was created), and once its driver has chosen, the sequence it resumed from (`resumed`).
-A checkpoint of an older epoch numbered above that bound was written after the takeover, or lies
-on a branch a `--resume-from-step` rewound past: it is never chosen and never counted
-(`superseded`). Holder liveness (the heartbeat in each record) is raychat.run.lease's concern.
+A checkpoint of an older epoch numbered above the floor was written after the takeover: it is never
+chosen and never counted (`superseded`). One numbered above `resumed` lies on a branch that a
+`--resume-from-step` rewound past, and is disowned the same way only once the rewound run has saved
+a whole checkpoint of its own: a rewind that never trained replaced nothing, and hides nothing.
+Holder liveness (the heartbeat in each record) is raychat.run.lease's concern.
 """
 
 import json
-from collections.abc import Callable
+import math
+import typing
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, fields
 
 from raychat.common import RaychatError
@@ -63,11 +67,10 @@ class LeaseRecord:
     # Its driver's process as the kernel knows it (raychat.run.lease.process_identity): a driver on
     # the same machine can tell it is gone without waiting out its heartbeat. None where /proc is not.
     process: str | None = None
-
-    @property
-    def bound(self) -> int:
-        """Checkpoints of older epochs numbered above this were not on the run as this epoch found it."""
-        return self.floor if self.resumed is None else min(self.floor, self.resumed)
+    # Its driver's heartbeat in seconds: a newcomer watches the record for a multiple of it (the
+    # holder's timing, not the newcomer's). None: a record written before it was kept (read as
+    # raychat.run.lease.HEARTBEAT_S, the default then).
+    heartbeat_s: float | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -76,13 +79,30 @@ class LeaseRecord:
     def from_json(cls, data: bytes, where: str) -> "LeaseRecord":
         try:
             raw = json.loads(data)
-            known = {f.name for f in fields(cls)}
-            return cls(**{k: v for k, v in raw.items() if k in known})
+            if not isinstance(raw, dict):
+                raise TypeError(f"a JSON {type(raw).__name__}, not an object")
+            known = {f.name: f.type for f in fields(cls)}
+            kept = {k: v for k, v in raw.items() if k in known}
+            wrong = [k for k, v in kept.items() if not _fits(v, known[k])]
+            beat = kept.get("heartbeat_s")
+            if wrong or (beat is not None and not (math.isfinite(beat) and beat > 0)):
+                raise TypeError(f"field {(wrong or ['heartbeat_s'])[0]!r} of the wrong type")
+            return cls(**kept)
         except (ValueError, TypeError) as e:
             # Records are created and replaced whole (never truncated in place): unreadable bytes are
             # damage, which no retry heals and no guess may treat as "free".
             raise RaychatError(f"lease record {where} is damaged ({type(e).__name__}): something other than "
                                "raychat wrote it; check what runs on this run, then remove it") from None
+
+
+def _fits(value: object, annotation: object) -> bool:
+    """Whether a JSON value fits a field's annotation (int, str, bool, float, or one of them | None)."""
+    allowed = typing.get_args(annotation) or (annotation,)
+    if isinstance(value, bool):  # JSON true is no epoch
+        return bool in allowed
+    if isinstance(value, int) and float in allowed:
+        return True
+    return isinstance(value, allowed)
 
 
 def lease_dir(run: Storage) -> Storage:
@@ -112,11 +132,17 @@ def records(run: Storage) -> list[LeaseRecord]:
 
 
 def create_record(run: Storage, record: LeaseRecord) -> bool:
-    """Create `record`'s epoch file if no driver has; True if this call took that epoch."""
+    """Create `record`'s epoch file if no driver has; True if this call took that epoch.
+
+    A create whose answer was lost (a reset after the bucket took the PUT) is tried again, by the
+    S3 client or by `retry_transient`, and that try finds the file there: it is this driver's own
+    when it names this driver's `holder` (a fresh id per process), so the epoch is taken."""
     directory = lease_dir(run)
     name = epoch_file(record.epoch)
-    return retry_transient(lambda: directory.create_exclusive(name, record.to_json()),
-                           f"creating {directory.child(name)}")
+    if retry_transient(lambda: directory.create_exclusive(name, record.to_json()),
+                       f"creating {directory.child(name)}"):
+        return True
+    return read_record(run, record.epoch).holder == record.holder
 
 
 def replace_record(run: Storage, record: LeaseRecord, budget_s: float | None = None) -> None:
@@ -127,10 +153,17 @@ def replace_record(run: Storage, record: LeaseRecord, budget_s: float | None = N
                     f"writing {directory.child(epoch_file(record.epoch))}", budget_s=budget_s)
 
 
-def superseded(leases: list[LeaseRecord]) -> Callable[[int, int], bool]:
+def superseded(leases: list[LeaseRecord], trained: Collection[int] = ()) -> Callable[[int, int], bool]:
     """Whether a checkpoint of (epoch, sequence) was left by a superseded writer or an abandoned
-    branch: some later epoch found the run before that sequence existed (or rewound below it)."""
-    bounds = [(record.epoch, record.bound) for record in leases]
+    branch: some later epoch found the run before that sequence existed (its `floor`), or rewound
+    below it (its `resumed`) and has trained since: `trained` holds the epochs that saved a whole
+    checkpoint of their own. A rewind that never trained hides nothing, so a driver that rewound
+    and stopped before its first save (Ctrl-C, a worker error) leaves every checkpoint as it was."""
+    def bound_of(record: LeaseRecord) -> int:
+        binding = record.resumed is not None and record.epoch in trained
+        return min(record.floor, record.resumed) if binding else record.floor
+
+    bounds = [(record.epoch, bound_of(record)) for record in leases]
 
     def test(epoch: int, sequence: int) -> bool:
         return any(later > epoch and sequence > bound for later, bound in bounds)

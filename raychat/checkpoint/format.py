@@ -33,6 +33,8 @@ import hashlib
 import json
 import sys
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, BinaryIO
 
 from raychat.checkpoint import fence
@@ -40,7 +42,7 @@ from raychat.checkpoint.fence import Fence, superseded
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.shardfile import CheckpointDamaged
 from raychat.common import RaychatError
-from raychat.faults import retry_transient
+from raychat.faults import retry_transient, short_reason
 from raychat.storage import Location, Storage
 
 META_FILE = "meta.json"
@@ -54,6 +56,11 @@ _READ_CHUNK = 16 << 20
 
 class LegacyCheckpoint(RaychatError):
     """A checkpoint in raychat's old single-file format: not damaged, not readable as is."""
+
+
+class CheckpointUnreadable(RaychatError):
+    """A checkpoint record that is there but may not be read (access denied): no retry heals it, and
+    no guess may order the checkpoint around it."""
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -201,8 +208,20 @@ def damage(directory: Location, deep: bool = False) -> str | None:
 def read_meta(directory: Location) -> CheckpointMeta:
     """A checkpoint's meta.json, read without verifying the tensors."""
     directory = Storage.of(directory)
-    data = retry_transient(lambda: directory.read_bytes(META_FILE), f"reading {directory}/{META_FILE}")
-    return CheckpointMeta.from_json(data, where=directory.path(META_FILE))
+    return CheckpointMeta.from_json(_meta_bytes(directory), where=directory.path(META_FILE))
+
+
+def _meta_bytes(directory: Storage) -> bytes:
+    """meta.json's bytes. A transient read error is retried (raychat.faults), never guessed; one no
+    retry heals (access denied) is CheckpointUnreadable, one line naming the file."""
+    where = directory.path(META_FILE)
+    try:
+        return retry_transient(lambda: directory.read_bytes(META_FILE), f"reading {where}")
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CheckpointUnreadable(f"cannot read {where} ({short_reason(e)}): give this machine read "
+                                   "access to the run's storage, then rerun") from None
 
 
 def _warn(message: str) -> None:
@@ -223,21 +242,37 @@ def _written_at(directory: Storage) -> int:
     return int(max(times).timestamp()) if times else 0
 
 
-def _read_meta_or_none(directory: Storage, log: Callable[[str], None]) -> CheckpointMeta | None:
-    """A checkpoint's record for ordering it, or None when it has none to order by: not written yet
-    (a save in progress, or one that died before its meta) or damaged (said once, in a line). A read
-    that fails for a transient reason is retried (raychat.faults), never guessed: a record that
-    cannot be read is neither the oldest nor the newest, and nothing is pruned on it."""
-    where = directory.path(META_FILE)
+@dataclass
+class _Found:
+    """One checkpoint directory as a survey saw it: its record, or why it has none to order by."""
+
+    directory: Storage
+    step: int
+    meta: CheckpointMeta | None = None
+    # "missing": no meta.json (a save that died before it, or one in progress); "damaged": a record
+    # that does not parse; "denied": one that may not be read. Only "missing" may be pruned.
+    problem: str | None = None
+
+
+def _read_record(directory: Storage, log: Callable[[str], None], strict: bool) -> tuple[CheckpointMeta | None,
+                                                                                         str | None]:
+    """(record, None), or (None, why there is none to order by). A damaged record is left alone
+    with a line. One that may not be read stops a `strict` caller (the driver choosing what to
+    resume: guessing around it could resume an older checkpoint); a prune leaves it alone."""
     try:
-        data = retry_transient(lambda: directory.read_bytes(META_FILE), f"reading {where}")
+        data = _meta_bytes(directory)
     except FileNotFoundError:
-        return None
+        return None, "missing"
+    except CheckpointUnreadable as e:
+        if strict:
+            raise
+        log(f"leaving checkpoint {directory} alone: {e}")
+        return None, "denied"
     try:
-        return CheckpointMeta.from_json(data, where=where)
+        return CheckpointMeta.from_json(data, where=directory.path(META_FILE)), None
     except RaychatError as e:
         log(f"leaving checkpoint {directory} alone: {e}")
-        return None
+        return None, "damaged"
 
 
 def _subdirs(run: Storage) -> list[str]:
@@ -246,90 +281,118 @@ def _subdirs(run: Storage) -> list[str]:
 
 def highest_sequence(run_dir: Location) -> int:
     """The highest lineage sequence of any checkpoint of the run with a readable record (0: none)."""
-    run = Storage.of(run_dir)
-    metas = (_read_meta_or_none(run.child(name), log=lambda _: None) for name in _subdirs(run)
-             if _step_of(name) is not None)
-    return max((meta.sequence for meta in metas if meta is not None), default=0)
+    found = _Survey(Storage.of(run_dir), log=lambda _: None, strict=False, leases=False).found
+    return max((f.meta.sequence for f in found if f.meta is not None), default=0)
 
 
-def _scan(run: Storage, log: Callable[[str], None]) -> list[tuple[Storage, CheckpointMeta]]:
-    """Checkpoints of a run with a readable record, not left by a superseded writer or an abandoned
-    branch (raychat.checkpoint.fence), oldest first: by lineage sequence, then (for checkpoints
-    without one) by when they were written, then by step."""
-    keyed = []
-    for name in _subdirs(run):
-        step = _step_of(name)
-        if step is None:
-            continue
-        directory = run.child(name)
-        meta = _read_meta_or_none(directory, log)
-        if meta is not None:
-            keyed.append(((meta.sequence, _written_at(directory), step), directory, meta))
-    is_superseded = superseded(fence.records(run)) if keyed else (lambda epoch, sequence: False)
-    ordered = sorted(keyed, key=lambda item: item[0])
-    return [(d, meta) for _, d, meta in ordered if not is_superseded(meta.lease_epoch, meta.sequence)]
+class _Survey:
+    """One look at a run: every checkpoint directory with its record, and the lease records, each
+    read once, so that listing, walking the branch and pruning agree on one picture.
 
+    Which checkpoints may be chosen (raychat.checkpoint.fence): a late save of a superseded writer
+    never; an abandoned branch once the run that rewound past it has trained (saved a whole
+    checkpoint of its own epoch). Until then a rewind hides nothing: a driver that rewound and
+    stopped before its first save leaves the run as it found it."""
 
-def superseded_checkpoints(run_dir: Location) -> list[Storage]:
-    """Checkpoints a superseded writer or an abandoned branch left: never chosen, pruned."""
-    run = Storage.of(run_dir)
-    current = {d.name for d, _ in _scan(run, log=lambda _: None)}
-    is_superseded = superseded(fence.records(run))
-    left = []
-    for name in _subdirs(run):
-        if _step_of(name) is None or name in current:
-            continue
-        meta = _read_meta_or_none(run.child(name), log=lambda _: None)
-        if meta is not None and is_superseded(meta.lease_epoch, meta.sequence):
-            left.append(run.child(name))
-    return left
+    def __init__(self, run: Storage, log: Callable[[str], None], strict: bool = True, leases: bool = True):
+        self.run, self.log = run, log
+        self.found: list[_Found] = []
+        for name in _subdirs(run):
+            step = _step_of(name)
+            if step is not None:
+                directory = run.child(name)
+                meta, problem = _read_record(directory, log, strict)
+                self.found.append(_Found(directory, step, meta, problem))
+        records = fence.records(run) if leases and any(f.meta for f in self.found) else []
+        self.is_superseded = superseded(records, trained=self._trained_epochs(records))
+
+    @cached_property
+    def listed(self) -> list[tuple[Storage, CheckpointMeta]]:
+        """The checkpoints that may be chosen, oldest first: by lineage sequence, then (for
+        checkpoints without one) by when they were written, then by step."""
+        keyed = [((f.meta.sequence, _written_at(f.directory), f.step), f) for f in self.found
+                 if f.meta is not None and not self.is_superseded(f.meta.lease_epoch, f.meta.sequence)]
+        return [(f.directory, f.meta) for _, f in sorted(keyed, key=lambda item: item[0])]
+
+    def _trained_epochs(self, records: list[fence.LeaseRecord]) -> set[int]:
+        """Epochs that rewound (resumed below their floor) and have since saved a whole checkpoint
+        that no later epoch disowns. Only these rewinds bind; the others are not asked about."""
+        late = superseded(records)  # floors only: a superseded writer's late save trains nothing
+        trained = set()
+        for record in records:
+            if record.resumed is None or record.resumed >= record.floor:
+                continue
+            own = [f for f in self.found if f.meta is not None and f.meta.lease_epoch == record.epoch
+                   and not late(record.epoch, f.meta.sequence)]
+            if any(damage(f.directory) is None for f in sorted(own, key=lambda f: -f.meta.sequence)):
+                trained.add(record.epoch)
+        return trained
+
+    def superseded(self) -> list[Storage]:
+        """Checkpoints a superseded writer or a trained-past branch left: never chosen, pruned."""
+        listed = {d.name for d, _ in self.listed}
+        return [f.directory for f in self.found
+                if f.meta is not None and f.directory.name not in listed
+                and self.is_superseded(f.meta.lease_epoch, f.meta.sequence)]
+
+    def claimed(self) -> list[Storage]:
+        """Directories that are or were meant to be checkpoints one may resume from: a record, or
+        one that cannot be read (not a save that died before its record, nor a disowned one)."""
+        disowned = {d.name for d in self.superseded()}
+        return [f.directory for f in self.found if f.problem in ("damaged", "denied")
+                or (f.meta is not None and f.directory.name not in disowned)]
+
+    def walk(self) -> tuple[list[Storage], int | None]:
+        """(the branch newest first, the step of the pruned parent it stops at or None)."""
+        listed = self.listed
+        if not listed:
+            return [], None
+        present = {f.directory.name for f in self.found}
+        by_name = {directory.name: i for i, (directory, _) in enumerate(listed)}
+        chain: list[Storage] = []
+        gap = None
+        position: int | None = len(listed) - 1
+        while position is not None and listed[position][0] not in chain:
+            directory, meta = listed[position]
+            chain.append(directory)
+            parent = meta.parent if isinstance(meta.parent, str) else None
+            below = _step_of(parent) if parent is not None else None
+            if parent in by_name:
+                position = by_name[parent]
+            elif parent in present and below is not None:
+                # A parent whose record cannot be read: its ancestors lie at lower steps (the step is
+                # in the name), so the chain goes on with the newest listed checkpoint below it; a
+                # newer one could be an abandoned branch that no lease marked (a run from before leases).
+                older = [i for i in range(position) if _step_of(listed[i][0].name) < below]
+                position = older[-1] if older else None
+            elif parent is None and meta.sequence == 0:  # before raychat kept a lineage: list order
+                position = position - 1 if position > 0 else None
+            else:
+                # The start of the lineage, or its older part pruned. Not followed further: below a
+                # pruned parent may lie an abandoned branch as well as this one's older checkpoints.
+                gap = below if parent is not None else None
+                position = None
+        return chain, gap
 
 
 def list_checkpoints(run_dir: Location, log: Callable[[str], None] = _warn) -> list[Storage]:
-    """Checkpoint directories of a run that may be chosen, oldest first (see `_scan`)."""
-    return [directory for directory, _ in _scan(Storage.of(run_dir), log)]
+    """Checkpoint directories of a run that may be chosen, oldest first: by lineage sequence, then
+    (for checkpoints without one) by when they were written, then by step."""
+    return [directory for directory, _ in _Survey(Storage.of(run_dir), log).listed]
+
+
+def claimed_checkpoints(run_dir: Location, log: Callable[[str], None] = _warn) -> list[Storage]:
+    """Every directory of the run that is, or was meant to be, a checkpoint to resume from: what a
+    driver that finds none whole must not start over on top of."""
+    return _Survey(Storage.of(run_dir), log).claimed()
 
 
 def branch(run_dir: Location, log: Callable[[str], None] = _warn) -> list[Storage]:
     """The current branch, newest first: the newest checkpoint, then its parent, its parent's
-    parent... A rewound run's abandoned branch is not on it, whatever its step numbers (and once a
-    lease records the rewind, not even listed). Where a parent cannot be read, or none was recorded
+    parent... A rewound run's abandoned branch is not on it, whatever its step numbers (and once the
+    rewound run has saved, not even listed). Where a parent cannot be read, or none was recorded
     (before raychat kept a lineage), the chain goes on with the next older checkpoint listed."""
-    return _walk(Storage.of(run_dir), log)[0]
-
-
-def _walk(run: Storage, log: Callable[[str], None]) -> tuple[list[Storage], list[Storage], int | None]:
-    """(the branch newest first, every readable checkpoint listed, the step of the pruned parent the
-    branch stops at or None)."""
-    listed = _scan(run, log)
-    if not listed:
-        return [], [], None
-    present = set(_subdirs(run))
-    by_name = {directory.name: i for i, (directory, _) in enumerate(listed)}
-    chain: list[Storage] = []
-    gap = None
-    position: int | None = len(listed) - 1
-    while position is not None and listed[position][0] not in chain:
-        directory, meta = listed[position]
-        chain.append(directory)
-        parent = meta.parent if isinstance(meta.parent, str) else None
-        below = _step_of(parent) if parent is not None else None
-        if parent in by_name:
-            position = by_name[parent]
-        elif parent in present and below is not None:
-            # A parent whose record cannot be read: its ancestors lie at lower steps (the step is in
-            # the name), so the chain goes on with the newest listed checkpoint below it; a newer
-            # one could be an abandoned branch that no lease marked (a run from before leases).
-            older = [i for i in range(position) if _step_of(listed[i][0].name) < below]
-            position = older[-1] if older else None
-        elif parent is None and meta.sequence == 0:  # before raychat kept a lineage: list order
-            position = position - 1 if position > 0 else None
-        else:
-            # The start of the lineage, or its older part pruned. Not followed further: below a
-            # pruned parent may lie an abandoned branch as well as this one's older checkpoints.
-            gap = below if parent is not None else None
-            position = None
-    return chain, [directory for directory, _ in listed], gap
+    return _Survey(Storage.of(run_dir), log).walk()[0]
 
 
 def latest_valid_checkpoint(run_dir: Location, step: int | None = None, deep: bool = False,
@@ -354,32 +417,39 @@ def latest_valid_checkpoint(run_dir: Location, step: int | None = None, deep: bo
 
 def prune_checkpoints(run_dir: Location, keep: int, log: Callable[[str], None] = _warn,
                       protect: Collection[str] = ()) -> list[str]:
-    """Keep the `keep` newest complete checkpoints of the current branch; delete its older ones and
-    whatever a superseded writer or an abandoned branch left, never the ones named in `protect`
-    (the saver's: what it just wrote, what the run resumed from), and whatever lies below the
-    pruned parent the branch stops at. A checkpoint whose record cannot be read, or that lies above
-    that on no known branch, is left alone. Returns the names deleted, oldest
+    """Keep the `keep` newest complete checkpoints of the current branch and delete what is older
+    than them: the branch's older checkpoints, what lies below the pruned parent the branch stops
+    at, and saves that died before their record (at a step below the newest whole checkpoint's).
+    Also what a superseded writer left and a branch the run has trained past. Never the checkpoints
+    named in `protect` (the saver's: what it just wrote, what the run resumed from), never one whose
+    record cannot be read. A checkpoint that cannot be deleted or read for good (access denied) is
+    left with a line rather than failing the save it follows. Returns the names deleted, oldest
     first. keep <= 0 keeps everything."""
     if keep <= 0:
         return []
-    newest_first, listed, gap = _walk(Storage.of(run_dir), log)
-    chain = list(reversed(newest_first))  # oldest first
+    survey = _Survey(Storage.of(run_dir), log, strict=False)
+    chain, gap = survey.walk()
+    chain.reverse()  # oldest first
     complete = [c for c in chain if damage(c, deep=False) is None]
     doomed = chain[:chain.index(complete[-keep])] if len(complete) > keep else []
     if gap is not None:
         # Below a pruned parent: what an earlier attempt's saver kept (the checkpoint it resumed
         # from is never its to prune) after pruning its children, so the branch no longer reaches
         # it. Older than every checkpoint of the branch: deleted, never chosen.
-        steps = {c.name: _step_of(c.name) for c in listed}
-        doomed += [c for c in listed if c not in chain and steps[c.name] is not None and steps[c.name] < gap]
-    doomed += superseded_checkpoints(run_dir)
+        doomed += [d for d, _ in survey.listed if d not in chain and _step_of(d.name) < gap]
+    if complete:
+        # A save that died before its record (a killed rank 0, a lost node) left its ranks' files:
+        # below the newest whole checkpoint's step no save of this writer is in progress.
+        newest = _step_of(complete[-1].name)
+        doomed += [f.directory for f in survey.found if f.problem == "missing" and f.step < newest]
+    doomed += survey.superseded()
     deleted = []
     for candidate in doomed:
         if candidate.name in protect:
             continue
         try:
-            candidate.delete()
+            retry_transient(candidate.delete, f"deleting {candidate}")
             deleted.append(candidate.name)
         except OSError as e:
-            log(f"could not delete old checkpoint {candidate}: {e}")
+            log(f"could not delete old checkpoint {candidate}: {short_reason(e)}")
     return deleted

@@ -15,7 +15,14 @@ the latest complete checkpoint, or the one at `--step`, by the same rule (`find_
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from raychat.checkpoint.format import branch, damage, latest_valid_checkpoint, list_checkpoints, read_meta
+from raychat.checkpoint.format import (
+    branch,
+    claimed_checkpoints,
+    damage,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    read_meta,
+)
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.reader import CheckpointReader
 from raychat.checkpoint.shardfile import CheckpointDamaged
@@ -47,7 +54,22 @@ def driver_choice(run: Storage, resume_from_step: int, log: Callable[[str], None
             raise RaychatError(f"--resume-from-step {resume_from_step}: no complete checkpoint of that step "
                                f"in {run} (checkpoints there: {steps}); pick one of those or drop the flag")
         return found
-    return latest_valid_checkpoint(run, log=log)
+    latest = latest_valid_checkpoint(run, log=log)
+    if latest is None:
+        refuse_starting_over(run)
+    return latest
+
+
+def refuse_starting_over(run: Storage) -> None:
+    """One line if `run` has checkpoints but none whole: a fresh start would train from step 0 and
+    its first save would prune them, and they may only look damaged for now (a restore or a copy
+    into the run still under way, a bucket's files still uploading)."""
+    claimed = [c.name for c in claimed_checkpoints(run, log=lambda _: None)]
+    if claimed:
+        shown = ", ".join(claimed[-5:]) + (f" and {len(claimed) - 5} older" if len(claimed) > 5 else "")
+        raise RaychatError(f"every checkpoint of {run} looks damaged or incomplete ({shown}): nothing was "
+                           "started over them; if a copy or restore into the run is under way, let it "
+                           "finish and rerun; else pick one with --resume-from-step, or use a new --run-name")
 
 
 def candidates(run: Storage, session: str, first_choice: str | None) -> list[str]:

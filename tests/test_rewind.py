@@ -1,0 +1,140 @@
+"""Nothing lost to an operator: a rewind that never trained hides and deletes nothing, a run whose
+every checkpoint looks damaged is refused rather than started over, a record that may not be read
+stops the driver in one line and never fails a whole save's prune, and saves that died before their
+record are pruned once a newer checkpoint is whole."""
+
+import pytest
+import torch
+from conftest import s3_uri
+from helpers import all_files, copy_tree, refusal, run_train, tiny_flags
+
+from bench.s3_fault_proxy import S3FaultProxy
+from raychat.checkpoint.format import (
+    MANIFEST_FILE,
+    META_FILE,
+    checkpoint_dir_name,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+    read_meta,
+)
+from raychat.checkpoint.meta import CheckpointMeta
+from raychat.checkpoint.resume import driver_choice
+from raychat.checkpoint.saver import CheckpointSaver
+from raychat.checkpoint.sharded import Piece, write_rank
+from raychat.common import RaychatError
+from raychat.config import add_config_flags, config_from_args
+from raychat.model.gpt import GPTConfig
+from raychat.run.driver import hold_run, prepare_run
+from raychat.storage import Storage
+
+QUIET = lambda _: None  # noqa: E731
+
+
+def _save(saver: CheckpointSaver, step: int) -> None:
+    meta = CheckpointMeta(step=step, model_config=GPTConfig(), session="s")
+    saver.save(step, [Piece("model/w", (4,), 0, torch.full((4,), float(step)))], f"t{step}", meta, wait=True)
+
+
+def _names(run: Storage) -> list[str]:
+    return [c.name for c in list_checkpoints(run, log=QUIET)]
+
+
+def _config(flags: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    return config_from_args(parser.parse_args(flags))
+
+
+@pytest.mark.ray
+def test_a_rewind_that_stopped_before_training_hides_and_deletes_nothing(ray_session, tiny_corpus,
+                                                                          two_worker_run, tmp_path):
+    """A copy of conftest's `two_worker_run` (checkpoints 16 and 20). A driver given
+    `--resume-from-step 16` takes the lease and stops before its workers train (Ctrl-C, a worker that
+    fails at start): a plain rerun then resumes from 20 and its prune keeps it, and 20 can still be
+    chosen by step."""
+    storage = tmp_path / "storage"
+    run = Storage(str(storage)).child(two_worker_run.name)
+    copy_tree(Storage(two_worker_run.storage).child(two_worker_run.name), run)
+    assert _names(run)[-2:] == ["checkpoint_000016", "checkpoint_000020"]
+    flags = tiny_flags(tiny_corpus, storage, two_worker_run.name, *two_worker_run.flags)
+
+    # The driver's own path up to trainer.fit(): choose, take the lease, record the rewind; then stop.
+    rewind = _config([*flags, "--num-iterations", "24", "--resume-from-step", "16"])
+    rewinding = prepare_run(rewind, log=QUIET)
+    assert rewinding.resume_from.name == "checkpoint_000016"
+    lease = hold_run(rewinding, log=QUIET)
+    lease.release()
+
+    assert latest_valid_checkpoint(run, log=QUIET).name == "checkpoint_000020"
+    assert driver_choice(run, 20, log=QUIET).name == "checkpoint_000020"
+    rerun = run_train(ray_session, [*flags, "--num-iterations", "24"])
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resuming from checkpoint_000020 (step 20)" in rerun.stdout
+    assert _names(run)[-2:] == ["checkpoint_000020", "checkpoint_000024"]
+    assert read_meta(run.child("checkpoint_000024")).parent == "checkpoint_000020"
+
+
+@pytest.mark.ray
+def test_a_run_whose_every_checkpoint_looks_damaged_is_refused_not_started_over(ray_session, tiny_corpus,
+                                                                                 two_worker_run, commands,
+                                                                                 tmp_path):
+    """A restore from backup still copying: every checkpoint lacks its manifest. The driver names
+    them and the way out in one line, before any worker starts, and nothing of the run changes."""
+    storage = tmp_path / "storage"
+    run = Storage(str(storage)).child(two_worker_run.name)
+    copy_tree(Storage(two_worker_run.storage).child(two_worker_run.name), run)
+    checkpoints = _names(run)
+    for name in checkpoints:
+        run.child(name).delete(MANIFEST_FILE)
+    before = all_files(run)
+    flags = [*tiny_flags(tiny_corpus, storage, two_worker_run.name, *two_worker_run.flags),
+             "--num-iterations", "24"]
+    line = refusal(commands, flags, ray_session)
+    assert "every checkpoint of" in line and "looks damaged or incomplete" in line, line
+    assert all(name in line for name in checkpoints) and "--resume-from-step" in line and "--run-name" in line
+    assert all_files(run) == before
+
+
+def test_a_record_that_may_not_be_read_stops_the_driver_and_never_fails_a_whole_save(s3_endpoint):
+    """A bucket policy denies one old checkpoint's meta.json (403 AccessDenied). The driver's choice
+    stops in one line naming the file; a save's prune leaves that checkpoint alone and the save
+    stays whole."""
+    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+        run = Storage(s3_uri(proxy.address, "denied-meta")).child("run")
+        saver = CheckpointSaver(run, keep=2, rank=0, world_size=1, log=QUIET)
+        for step in (1, 2):
+            _save(saver, step)
+        denied = f"{checkpoint_dir_name(1)}/{META_FILE}"
+        proxy.inject("forbidden", match=denied)
+        with pytest.raises(RaychatError) as refused:
+            driver_choice(run, -1, log=QUIET)
+        message = str(refused.value)
+        assert denied in message and "access" in message.lower() and "read access" in message
+        assert "\n" not in message
+        said: list[str] = []
+        saver.log, saver.keep = said.append, 1
+        _save(saver, 3)  # prunes 2; leaves 1, whose record it may not read
+        saver.close()
+        assert any("leaving checkpoint" in line and "checkpoint_000001" in line for line in said), said
+        proxy.clear()
+    assert _names(run) == ["checkpoint_000001", "checkpoint_000003"]
+    assert latest_valid_checkpoint(run, log=QUIET).name == "checkpoint_000003"
+
+
+def test_saves_that_died_before_their_record_are_pruned_below_the_newest_whole_one(tmp_path):
+    """Ranks wrote their files, then rank 0 died before meta.json (a lost node mid-save): no prune
+    used to reach that directory, a whole checkpoint's worth of storage each time. It goes once a
+    newer checkpoint is whole; one above the newest whole step (a save in progress) stays."""
+    run = Storage(str(tmp_path / "run"))
+    saver = CheckpointSaver(run, keep=1, rank=0, world_size=1, log=QUIET)
+    _save(saver, 2)
+    for step in (3, 9):  # died mid-save: rank files only
+        dead = [Piece("model/w", (4,), 2, torch.ones(2))]
+        write_rank(run.child(checkpoint_dir_name(step)), 1, 2, "dead", dead)
+    _save(saver, 4)
+    saver.close()
+    assert run.subdirs() == ["checkpoint_000004", "checkpoint_000009"]
+    assert prune_checkpoints(run, keep=1, log=QUIET) == []  # nothing else to delete
