@@ -251,8 +251,10 @@ class Storage:
         """The files directly below this directory (base_name, path, size)."""
         return [info for info in self.entries() if info.type == pafs.FileType.File]
 
+    # Bytes are bytes: pyarrow would otherwise (de)compress a name ending in .gz, .bz2, .zst...
+
     def read_bytes(self, name: str) -> bytes:
-        with self.fs.open_input_stream(self.path(name)) as f:
+        with self.fs.open_input_stream(self.path(name), compression=None) as f:
             return f.read()
 
     def read_text(self, name: str) -> str:
@@ -302,7 +304,7 @@ class Storage:
 
     @contextmanager
     def open_input(self, name: str) -> Iterator[BinaryIO]:
-        with self.fs.open_input_stream(self.path(name)) as f:
+        with self.fs.open_input_stream(self.path(name), compression=None) as f:
             yield f
 
     def open_random(self, name: str) -> pa.NativeFile:
@@ -313,7 +315,7 @@ class Storage:
     def open_output(self, name: str) -> Iterator[BinaryIO]:
         """A stream that replaces `name` when it closes (an object store publishes it whole)."""
         self.make_dir()
-        with self.fs.open_output_stream(self.path(name)) as f:
+        with self.fs.open_output_stream(self.path(name), compression=None) as f:
             yield f
 
     def write_bytes(self, name: str, data: bytes) -> None:
