@@ -1,11 +1,15 @@
 """cluster/kuberay/: the RayCluster and RayJob validate against KubeRay's published CRD schemas (a
 vendored copy, tests/data/kuberay/), run the Ray that pyproject.toml pins, keep token auth on and the
-dashboard inside the Kubernetes cluster, and the RayJob's entrypoint is a command raychat accepts."""
+dashboard inside the Kubernetes cluster, and the RayJob's entrypoint is a command raychat accepts.
+Metrics: a PodMonitor scrapes every pod's metrics port, the head points the dashboard at Prometheus and
+Grafana, and the Grafana ConfigMap holds exactly cluster/grafana/raychat_dashboard.json."""
 
 import argparse
 import copy
 import json
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -128,7 +132,7 @@ def test_runs_the_pinned_ray():
     assert cluster["spec"]["rayVersion"] == version
     for container in containers(cluster_pods(cluster)):
         assert container["image"].rsplit(":", 1)[1].startswith(f"{version}-py311"), container["image"]
-    dockerfile = (KUBERAY / "Dockerfile").read_text().splitlines()
+    dockerfile = (ROOT / "cluster" / "Dockerfile").read_text().splitlines()  # shared with cluster/h100.yaml
     froms = [line for line in dockerfile if line.startswith("FROM ")]
     assert froms == [f"FROM rayproject/ray:{version}-py311-gpu"]
 
@@ -153,3 +157,39 @@ def test_secrets_come_from_kubernetes_secrets():
         env = {e["name"]: e for e in container["env"]}
         assert "value" not in env["WANDB_API_KEY"]
         assert env["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "api_key"
+
+
+def test_prometheus_scrapes_every_pod_of_the_cluster():
+    """The PodMonitor (KubeRay's prometheus-grafana guide) selects this RayCluster's pods by the labels
+    KubeRay gives them, on a port every container of the cluster names `metrics`."""
+    monitor = manifest("monitoring.yaml")
+    cluster = manifest("raycluster.yaml")
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"  # kube-prometheus-stack's selector
+    assert monitor["spec"]["selector"]["matchLabels"]["ray.io/cluster"] == cluster["metadata"]["name"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    for container in containers(cluster_pods(cluster)):
+        ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+        assert ports.get(endpoint["port"]) == 8080, container["name"]  # Ray's metrics agent (ray start)
+    relabel = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    assert relabel["ray_io_cluster"] == ["__meta_kubernetes_pod_label_ray_io_cluster"]
+
+
+def test_head_points_the_dashboard_at_prometheus_and_grafana():
+    head = manifest("raycluster.yaml")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value", "") for e in head["env"]}
+    assert env["RAY_PROMETHEUS_HOST"].startswith("http://prometheus-kube-prometheus-prometheus.")
+    assert env["RAY_GRAFANA_HOST"].startswith("http://prometheus-grafana.")
+    assert env["RAY_GRAFANA_IFRAME_HOST"] == "http://127.0.0.1:3000"  # through kubectl port-forward
+
+
+def test_grafana_configmap_holds_the_dashboard():
+    configmap = manifest("grafana-dashboard.yaml")
+    assert configmap["kind"] == "ConfigMap" and configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (embedded,) = configmap["data"].values()
+    dashboard = json.loads((ROOT / "cluster" / "grafana" / "raychat_dashboard.json").read_text())
+    assert json.loads(embedded) == dashboard, (
+        "regenerate: python cluster/grafana/configmap.py > cluster/kuberay/grafana-dashboard.yaml")
+    generated = subprocess.run([sys.executable, str(ROOT / "cluster" / "grafana" / "configmap.py")],
+                               capture_output=True, text=True, check=True).stdout
+    assert generated == (KUBERAY / "grafana-dashboard.yaml").read_text()

@@ -46,6 +46,7 @@ from raychat.run.coordinator import coordinator_name
 from raychat.run.elastic import ElasticSignals, describe_attempt
 from raychat.run.metrics import LogLines, Publisher, RayMetrics, TrainReport, WandbLogger
 from raychat.run.metrics_log import MetricsLog
+from raychat.run.nccl_transport import NcclReport
 from raychat.run.replicas import MemoryRestore, Replicator, peer_nodes, retain_only
 from raychat.run.step import micro_slices
 from raychat.scaling import Plan, rank_rows
@@ -313,6 +314,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     setup_started = time.time()  # the time ledger's end of rescheduling and start of restore
     cfg = config.train_config
     me = _this_rank()
+    nccl = NcclReport.watch(me.device.type, me.world_size, me.local_world_size, me.rank)  # before collectives
     use_compile = uses_compile(cfg.compile, me.device)
     if use_compile and not config.compile_checked:
         probe_compile(me.device)  # one line instead of a traceback at the first forward
@@ -325,6 +327,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     # writes anything; rank 0 looks and every rank follows (raychat.checkpoint.fence).
     fence = Fence(run, config.lease_epoch)
     newer = me.gather(fence.newer() if me.rank == 0 else None)[0]
+    nccl.report(me.log)  # that first collective made NCCL's communicator: its network is in the report now
     if newer is not None:
         raise LeaseLost(f"run {run} is held by a newer driver (lease epoch {newer}, this group's "
                         f"{fence.epoch}): this worker group stops without training")
