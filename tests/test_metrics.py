@@ -1,6 +1,7 @@
 """The log line against seed 000 (a nanochat user's log line), Ray gauges on the node's Prometheus
 endpoint, and wandb offline runs."""
 
+import json
 import struct
 from pathlib import Path
 
@@ -259,3 +260,44 @@ def test_online_without_credentials_is_one_clear_line(wandb_env, monkeypatch, ca
         WandbLogger("d4-online")
     message = str(err.value)
     assert "\n" not in message and "wandb login" in message and "WANDB_MODE=offline" in message
+
+
+@pytest.mark.ray
+def test_a_run_and_its_rerun_are_one_wandb_run_with_every_step_once(ray_session, tiny_corpus, tmp_path):
+    """`--run` set, wandb offline: a run to step 8, then the same command to step 12. The rerun resumes
+    the run's wandb run (its id kept in the run's directory) and redoes the evaluation at step 8,
+    which the first run logged already: every step is in the run's history once, in order."""
+    from helpers import run_train, tiny_flags
+
+    from raychat.run.metrics import WANDB_RUN_FILE
+
+    storage, wandb_dir = tmp_path / "runs", tmp_path / "wandb-files"
+    flags = tiny_flags(tiny_corpus, storage, "wb", "--run", "wb-test", "--num-workers", "1",
+                       "--total-batch-size", "256", "--eval-every", "4", "--save-every", "4")
+    for horizon in ("8", "12"):
+        done = run_train(ray_session, [*flags, "--num-iterations", horizon], WANDB_DIR=str(wandb_dir))
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    runs = sorted((wandb_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2  # one offline directory per attempt ...
+    ids = {run_dir.name.rsplit("-", 1)[1] for run_dir in runs}
+    kept = json.loads((storage / "wb" / WANDB_RUN_FILE).read_text())
+    assert ids == {kept["id"]}  # ... of one wandb run, whose id the run keeps
+    steps = [int(row["_step"]) for run_dir in runs for row in _offline_history(run_dir)[1]]
+    assert steps == [0, 4, 8, 12]
+    assert kept["logged_step"] == 12
+
+
+def test_tokenizer_training_says_its_progress_on_a_large_corpus_only(tiny_corpus, tmp_path):
+    """A line every so often while the corpus is read (here every batch: the interval is 0), then one
+    when the merges start; nothing of it on a corpus read before the first interval ends."""
+    from raychat.tokenizer.train import train_tokenizer
+
+    data_dir, _ = tiny_corpus
+    lines: list[str] = []
+    train_tokenizer(data_dir, tmp_path / "every", vocab_size=300, log=lines.append, progress_every_s=0)
+    progress = [line for line in lines if line.startswith("Tokenizer: read")]
+    assert len(progress) >= 2 and "100%" in progress[-2] and progress[-1].endswith("learning the merges")
+    lines.clear()
+    train_tokenizer(data_dir, tmp_path / "quiet", vocab_size=300, log=lines.append)
+    assert not [line for line in lines if line.startswith("Tokenizer:")]

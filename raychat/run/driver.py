@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, Result, RunConfig, ScalingConfig
+from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from raychat.checkpoint.format import highest_sequence, latest_valid_checkpoint, read_meta
@@ -45,6 +46,7 @@ from raychat.corpus.check import summarize
 from raychat.corpus.default import prepare_default_corpus
 from raychat.corpus.index import CorpusIndex, check_checkpoint_corpus
 from raychat.data.loader import check_cursor_fits
+from raychat.faults import retry_transient
 from raychat.model.compile_check import check_compile
 from raychat.model.precision import check_precision
 from raychat.optim.registry import check_same_optimizer
@@ -111,6 +113,7 @@ class PreparedRun:
     lease_epoch: int = 0  # the run lease's epoch this driver holds (set by `hold_run`): the workers' fence
     fitting: bool = False  # trainer.fit() is running (the lease may interrupt it)
     launched: float = field(default_factory=time.time)  # when prepare_run began: the run's start-up from here
+    result: Result | None = None  # Ray Train's, once fit: its `checkpoint` is the run's newest
 
     @property
     def finished(self) -> bool:
@@ -363,8 +366,12 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
     if len(set(cfg.worker_range())) > 1:  # elastic
         callbacks += [PlannedResizeSave(run.session), FreshClusterView()]
     callbacks += [RecordReservation(run.run_dir.location, run.lease_epoch), NoteRestart(run.session)]
+    # Rank 0 names each checkpoint to Ray Train without upload (raychat.run.metrics.TrainReport). Ray
+    # keeps them all (num_to_keep None): with a number, Ray deletes raychat's checkpoint directories;
+    # raychat's saver prunes them (--keep-checkpoints).
     run_kwargs = dict(name=cfg.name, failure_config=FailureConfig(max_failures=cfg.max_failures),
-                      callbacks=callbacks, logging_config=train_logging(), **ray_storage(cfg.storage_path))
+                      checkpoint_config=CheckpointConfig(num_to_keep=None), callbacks=callbacks,
+                      logging_config=train_logging(), **ray_storage(cfg.storage_path))
     run_kwargs.update(run_config_overrides or {})
     worker_config = WorkerRunConfig(
         train_config=cfg, plan=run.plan, corpus_index=ray.put(run.index),
@@ -463,6 +470,15 @@ def hold_run(run: PreparedRun, log: Log = print) -> RunLease:
     return lease
 
 
+def forget_ray_checkpoints(run: PreparedRun) -> None:
+    """Drop Ray Train's list of the checkpoints an earlier fit of this run named (its snapshot, in the
+    run's directory): raychat has pruned some of them since, and Ray refuses to start a run whose
+    snapshot names a checkpoint that is gone. What a run resumes from is raychat's storage's to say;
+    this fit names its own checkpoints."""
+    retry_transient(lambda: run.run_dir.delete(CHECKPOINT_MANAGER_SNAPSHOT_FILENAME),
+                    f"removing Ray Train's checkpoint list from {run.run_dir}")
+
+
 def _interrupt_fit(run: PreparedRun) -> Callable[[str], None] | None:
     """What the lease does when it finds itself superseded: a driver training in its main thread
     gets Ray Train's own Ctrl-C while `trainer.fit()` runs (its handler aborts the controller and
@@ -499,9 +515,10 @@ def _fit(run: PreparedRun, callbacks: list | None) -> FinalResult:
             return finished_result(run)
         trainer = build_trainer(run, callbacks=callbacks)
         clear_stop_note(run.cfg.storage_path, run.cfg.name)
+        forget_ray_checkpoints(run)
         try:
             run.fitting = True
-            trainer.fit()
+            run.result = trainer.fit()
         except (Exception, KeyboardInterrupt, SystemExit) as e:  # Ray wraps worker errors: one line
             if lease.lost is not None:  # (Ray's Ctrl-C handler exits 0 if the controller is gone)
                 raise RaychatError(lease.lost) from None

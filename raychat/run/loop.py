@@ -26,6 +26,7 @@ import torch
 
 import raychat
 from raychat.checkpoint.fence import Fence, LeaseLost
+from raychat.checkpoint.format import checkpoint_dir_name
 from raychat.checkpoint.meta import CheckpointMeta, Totals
 from raychat.checkpoint.stop_note import StopNote, read_stop_note, write_stop_note
 from raychat.common import RaychatError
@@ -254,7 +255,15 @@ def report(w: Worker, state: LoopState, metrics: dict, last_step: bool, coordina
                 total_training_time=state.total_training_time, core_metric=metrics.get("core_metric"),
                 restarts=state.restarts, resizes=state.resizes, redone_steps=state.redone_steps,
                 peak_memory_mib=metrics["peak_memory_mib"])))
-    w.publisher.report(metrics)
+    w.publisher.report(metrics, checkpoint=newest_checkpoint(w) if w.master else None)
+
+
+def newest_checkpoint(w: Worker) -> Storage | None:
+    """Rank 0: the run's newest whole checkpoint (this attempt's last finished save, else the one it
+    resumed from), what Ray Train's Result names and a rerun resumes from."""
+    saver = w.saver
+    name = checkpoint_dir_name(saver.latest_step) if saver.latest_step is not None else saver.resumed_from
+    return saver.run.child(name) if name else None
 
 
 def _trace_consumed(w: Worker, step: int) -> None:

@@ -21,8 +21,11 @@ names there gain Ray's `ray_` prefix: `ray_raychat_loss{run="..."}`), which is w
 dashboard's Grafana panels and any Prometheus read.
 """
 
+import json
 import os
+import sys
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +34,7 @@ from typing import Any
 
 from raychat.common import RaychatError
 from raychat.run.ledger import Ledger, ledger
+from raychat.storage import Storage
 
 EMA_BETA = 0.9  # nanochat's smoothing of the logged training loss
 UNTIMED_STEPS = 10  # nanochat leaves the first 10 steps (compilation, warm-up) out of total time
@@ -155,9 +159,11 @@ class Sampled:
 
 @dataclass(frozen=True)
 class Reported:
-    """Ray Train's report (Tune's result): its metrics, and this attempt's seconds outside steps."""
+    """Ray Train's report (Tune's result): its metrics, this attempt's seconds outside steps, and (rank 0)
+    the run's newest whole checkpoint, which Ray Train then names in its Result."""
     metrics: dict[str, Any]
     so_far: dict[str, float] = field(default_factory=dict)
+    checkpoint: Storage | None = None
 
 
 Record = AttemptStarted | StepDone | Evaluated | CoreEvaluated | Sampled | Reported
@@ -253,38 +259,86 @@ def _redact(text: str) -> str:
 
 
 WANDB_EVERY = 100  # nanochat logs the training curve to wandb every 100 steps
+# In the run's directory: the run's wandb id (created once: whoever creates it first wins, every later
+# attempt, rerun, resize or sweep trial restart reads it) and the last step an attempt logged to it.
+WANDB_RUN_FILE = "wandb_run.json"
+
+
+def wandb_run_record(run_dir: Storage) -> dict[str, Any]:
+    """The run's wandb record {"id", "logged_step"}: created if the run has none yet (atomically, so
+    two attempts racing get the same id), else the one there."""
+    fresh = {"id": uuid.uuid4().hex[:16], "logged_step": -1}
+    if run_dir.create_exclusive(WANDB_RUN_FILE, json.dumps(fresh).encode()):
+        return fresh
+    return json.loads(run_dir.read_replaceable(WANDB_RUN_FILE))
 
 
 class WandbLogger(Sink):
     """wandb logging as nanochat does it: off for run "dummy", else project "raychat".
 
+    One wandb run per raychat run: with `run_dir` (the run's directory) its id is kept there
+    (`WANDB_RUN_FILE`) and every attempt resumes it, so a restart, a resize, a rerun or a sweep
+    trial's restart continues one wandb run. A step is logged once: an attempt redoes the steps after
+    its checkpoint, which an earlier attempt may have logged already, so steps up to the last one
+    logged (kept in the same file after each log; a resumed online run also knows its own) are left
+    out; the step axis stays monotonic, as wandb requires.
+
     WANDB_MODE (offline, disabled, ...) is honoured as wandb honours it; with RAYCHAT_OFFLINE set
-    and no WANDB_MODE the run is logged offline (sync later with `wandb sync`). Credentials are
-    wandb's own (`wandb login` or WANDB_API_KEY); nothing here prints them. Create on rank 0 only.
+    and no WANDB_MODE the run is logged offline (sync later with `wandb sync`: the attempts' offline
+    directories share the run's id). Credentials are wandb's own (`wandb login` or WANDB_API_KEY);
+    nothing here prints them. Create on rank 0 only.
     """
 
-    def __init__(self, run: str, config: dict | None = None, project: str = "raychat"):
+    def __init__(self, run: str, config: dict | None = None, project: str = "raychat",
+                 run_dir: Storage | None = None):
         self._run = None
+        self._run_dir = run_dir
+        self._id: str | None = None
+        self._logged_before = -1  # steps up to this one were logged by an earlier attempt
+        self._kept = -1  # the last step recorded in the run's directory
         if run == "dummy":
             return
         import wandb
 
+        if run_dir is not None:
+            record = wandb_run_record(run_dir)
+            self._id, self._logged_before = record["id"], record["logged_step"]
+            self._kept = self._logged_before
         mode = "offline" if os.environ.get("RAYCHAT_OFFLINE") and "WANDB_MODE" not in os.environ else None
         try:
-            self._run = wandb.init(project=project, name=run, config=config, mode=mode)
+            # allow_val_change: a rerun may change flags (a longer horizon): the config shows the latest
+            self._run = wandb.init(project=project, name=run, config=config, mode=mode, id=self._id,
+                                   resume="allow" if self._id else None,
+                                   allow_val_change=self._id is not None)
         except wandb.errors.Error as e:
             reason = _redact((str(e).strip().splitlines() or [type(e).__name__])[0])
             # `from None`: wandb's own exception chain is not ours to print
             raise RaychatError(f"wandb could not start run {run!r}: {reason} Run `wandb login`, set "
                                "WANDB_MODE=offline to log locally, or pass --run dummy") from None
+        # Online, a resumed run starts at the step after its last one (offline it starts at 0).
+        self._logged_before = max(self._logged_before, (self._run.step or 0) - 1)
 
     @property
     def enabled(self) -> bool:
         return self._run is not None
 
     def log(self, data: dict, step: int) -> None:
-        if self._run is not None:
-            self._run.log(data, step=step)
+        if self._run is None or step <= self._logged_before:
+            return
+        self._run.log(data, step=step)
+        if self._id is not None and step > self._kept:
+            self._keep(step)
+
+    def _keep(self, step: int) -> None:
+        """Record `step` as logged, after logging it: an attempt killed in between logs it again."""
+        record = json.dumps({"id": self._id, "logged_step": step}).encode()
+        try:
+            self._run_dir.replace_atomically(WANDB_RUN_FILE, record)
+            self._kept = step
+        except OSError as e:  # wandb is for watching: a storage fault here never stops training
+            print(f"raychat: could not record wandb step {step} in {self._run_dir.child(WANDB_RUN_FILE)} "
+                  f"({type(e).__name__}): a restart may log steps after {self._kept} to wandb again",
+                  file=sys.stderr, flush=True)
 
     def publish(self, record: Record) -> None:
         match record:
@@ -306,13 +360,30 @@ class WandbLogger(Sink):
 
 
 class TrainReport(Sink):
-    """`ray.train.report` (Tune's result). Every rank's publisher has one: the report is a barrier."""
+    """`ray.train.report` (Tune's result). Every rank's publisher has one: the report is a barrier.
+
+    Rank 0's report names the run's newest whole checkpoint when it is new to Ray Train, so that
+    `Result.checkpoint` is the checkpoint a rerun resumes from and a Tune trial's result has its
+    `checkpoint_path`. Ray Train gets metadata only (NO_UPLOAD): raychat's storage stays the source
+    of truth, Ray copies nothing and deletes nothing (raychat.run.driver keeps its num_to_keep None).
+    """
+
+    def __init__(self):
+        self._registered: str | None = None  # the checkpoint Ray Train has from this attempt
 
     def publish(self, record: Record) -> None:
-        if isinstance(record, Reported):
-            import ray.train
+        if not isinstance(record, Reported):
+            return
+        import ray.train
 
+        checkpoint = record.checkpoint
+        if checkpoint is None or checkpoint.location == self._registered:
             ray.train.report(record.metrics)
+            return
+        ray.train.report(record.metrics, checkpoint=ray.train.Checkpoint(checkpoint.root, checkpoint.fs),
+                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+                         delete_local_checkpoint_after_upload=False)
+        self._registered = checkpoint.location
 
 
 class Publisher:
@@ -380,14 +451,15 @@ class Publisher:
     def samples(self, step: int, texts: list[str]) -> None:
         self._publish(Sampled(step, texts))
 
-    def report(self, metrics: dict[str, Any]) -> None:
-        """Ray Train's report (Tune's result) with the latest step's numbers; all ranks, same steps."""
+    def report(self, metrics: dict[str, Any], checkpoint: Storage | None = None) -> None:
+        """Ray Train's report (Tune's result) with the latest step's numbers; all ranks, same steps.
+        `checkpoint` (rank 0): the run's newest whole checkpoint, for Ray Train to name."""
         if self.last is not None:
             metrics = {**self.last.tune(), **metrics}
         goodput = self.goodput()
         if goodput is not None:
             metrics["goodput"] = goodput
-        self._publish(Reported(metrics, self._so_far()))
+        self._publish(Reported(metrics, self._so_far(), checkpoint))
 
     def flush(self) -> None:
         """Write what the sinks hold back (a bucket's metrics log is rewritten every 30 s otherwise)."""

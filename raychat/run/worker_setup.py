@@ -415,7 +415,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
         saver=CheckpointSaver(run, cfg.keep_checkpoints, me.rank, me.world_size, me.log, parent=restore.meta,
                               parent_name=resumed_from, fence=fence),
         micro_slices=slices, peak_flops=peak, trace_dir=trace_dir,
-        wandb=WandbLogger(cfg.run, config=cfg.to_public_dict()) if master else None,
+        wandb=WandbLogger(cfg.run, config=cfg.to_public_dict(), run_dir=run) if master else None,
         attempt=me.gather(f"{time.time():.3f}")[0] if trace_dir else "", replicator=replicator,
     )
     # What this attempt's restore read from checkpoint files in storage, all ranks (0 from peer memory).

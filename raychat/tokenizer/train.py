@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -33,6 +34,10 @@ from raychat.tokenizer.core import (
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 _PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
 _FALSE_VALUES = ("", "off", "false", "f", "no", "n", "0")  # what HF tokenizers reads as "off"
+# Progress: a line this often while the corpus is read (a small corpus is read before the first one),
+# and HF's own bars (word counting, merges) on a terminal for a corpus this large.
+PROGRESS_EVERY_S = 30.0
+HF_PROGRESS_MIN_DOCS = 100_000
 
 
 def byte_to_char() -> dict[int, str]:
@@ -70,8 +75,32 @@ class _ReadStats:
     seconds_reading: float = 0.0
 
 
+class _Progress:
+    """A line every `every_s` seconds while the trainer reads the corpus (its share of documents or
+    of --max-chars, whichever is further along), and one when the reading is done, if any was said."""
+
+    def __init__(self, log: Callable[[str], None], every_s: float, total_docs: int, max_chars: int):
+        self.log, self.every_s, self.total_docs, self.max_chars = log, every_s, total_docs, max_chars
+        self.start = self.last = time.monotonic()
+        self.lines = 0
+
+    def __call__(self, stats: _ReadStats) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            return
+        self.last, self.lines = now, self.lines + 1
+        share = max(stats.docs / max(self.total_docs, 1), stats.chars / self.max_chars)
+        self.log(f"Tokenizer: read {stats.docs:,} documents ({stats.chars:,} chars, {min(share, 1):.0%}) "
+                 f"in {now - self.start:.0f}s")
+
+    def done(self, stats: _ReadStats) -> None:
+        if self.lines:
+            self.log(f"Tokenizer: read {stats.docs:,} documents ({stats.chars:,} chars) in "
+                     f"{time.monotonic() - self.start:.0f}s; learning the merges")
+
+
 def _batches(texts: Iterable[str], stats: _ReadStats, serial_after: bool,
-             size: int = 1024) -> Iterator[list[str]]:
+             size: int = 1024, progress: _Progress | None = None) -> Iterator[list[str]]:
     """Feeds the HF trainer lists of documents (fewer Python<->Rust crossings than one by one).
 
     When the corpus is exhausted and `serial_after`, switch HF's parallelism off: the trainer reads
@@ -86,12 +115,18 @@ def _batches(texts: Iterable[str], stats: _ReadStats, serial_after: bool,
         stats.chars += len(text)
         if len(batch) == size:
             stats.seconds_reading += time.perf_counter() - start
+            if progress is not None:
+                progress(stats)
             yield batch
             batch = []
             start = time.perf_counter()
     stats.seconds_reading += time.perf_counter() - start
     if batch:
+        if progress is not None:
+            progress(stats)
         yield batch
+    if progress is not None:
+        progress.done(stats)
     if serial_after:
         os.environ[_PARALLELISM_ENV] = "false"
 
@@ -119,9 +154,11 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def train_tokenizer(data_dir: str | Path, out_dir: str | Path, vocab_size: int = 32768,
                     max_chars: int = 2_000_000_000, doc_cap: int = 10_000,
-                    log: Callable[[str], None] = print) -> Tokenizer:
+                    log: Callable[[str], None] = print,
+                    progress_every_s: float = PROGRESS_EVERY_S) -> Tokenizer:
     """Train on the training split of the corpus in data_dir (documents cut to doc_cap characters, up
-    to max_chars characters in all) and save to out_dir (replacing a tokenizer there)."""
+    to max_chars characters in all) and save to out_dir (replacing a tokenizer there). While the corpus
+    is read, a progress line every `progress_every_s` seconds."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise RaychatError(f"--vocab-size {vocab_size} is too small: byte-level BPE needs at least "
                            f"{MIN_VOCAB_SIZE} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
@@ -141,13 +178,16 @@ def train_tokenizer(data_dir: str | Path, out_dir: str | Path, vocab_size: int =
     stats = _ReadStats()
     t0 = time.perf_counter()
     hf = _hf_tokenizer()
-    trainer = BpeTrainer(vocab_size=vocab_size, min_frequency=0, show_progress=False,
+    progress = _Progress(log, progress_every_s, index.num_train_docs, max_chars)
+    # HF's bars draw only on a terminal; a small corpus is done before they would say anything useful.
+    hf_bars = sys.stderr.isatty() and index.num_train_docs >= HF_PROGRESS_MIN_DOCS
+    trainer = BpeTrainer(vocab_size=vocab_size, min_frequency=0, show_progress=hf_bars,
                          initial_alphabet=sorted(byte_to_char().values()), special_tokens=SPECIAL_TOKENS)
     try:
         if switch:
             os.environ[_PARALLELISM_ENV] = "true"  # exists from now on, so the flip replaces it in place
         texts = iter_split_texts(data_dir, "train", max_chars, doc_cap)
-        hf.train_from_iterator(_batches(texts, stats, switch), trainer)
+        hf.train_from_iterator(_batches(texts, stats, switch, progress=progress), trainer)
     finally:
         if user_parallelism is None:
             os.environ.pop(_PARALLELISM_ENV, None)
