@@ -143,6 +143,10 @@ class TrainConfig(Record):
     cpus_per_worker: float = _flag(-1.0, "CPUs reserved per worker, for its step and its data feed: up to "
                                    "that many read/tokenize tasks run at once on its node (-1 = 1)", "ray")
     max_failures: int = _flag(3, "worker-group restarts Ray attempts after failures (-1 = unlimited)", "ray")
+    process_group_timeout_s: int = _flag(1800, "seconds a torch.distributed collective (NCCL on GPUs, gloo "
+                                         "on CPUs) waits for every worker before it fails the attempt, which "
+                                         "Ray then restarts (Ray Train's TorchConfig timeout_s; its default)",
+                                         "ray")
     storage_path: str = _flag("", "where runs and checkpoints live: a local path or a URI such as "
                               "s3://bucket/runs (default $RAYCHAT_HOME/runs)", "ray")
     run_name: str = _flag("", "run directory under storage-path; re-running a name resumes it "

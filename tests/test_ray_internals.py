@@ -161,6 +161,30 @@ def test_a_trainer_without_datasets_starts_no_ray_data_manager():
     assert datasets_callback in kinds(RaychatTrainer, datasets={"train": lambda: None})
 
 
+def test_the_trainer_is_rays_torch_trainer_with_the_flags_timeout():
+    """raychat's process group is Ray's own TorchConfig (its backend, init_method, shutdown guard per
+    device), given --process-group-timeout-s, Ray's default when not given; the trainer subclass
+    overrides nothing of Ray's TorchTrainer but the default callbacks (the test above)."""
+    import argparse
+
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raychat.config import add_config_flags, config_from_args
+    from raychat.run.driver import RaychatTrainer, process_group
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    cfg = config_from_args(parser.parse_args(["--process-group-timeout-s", "60"]))
+    trainer = RaychatTrainer(lambda: None, torch_config=process_group(cfg),
+                             scaling_config=ScalingConfig(num_workers=2))
+    assert isinstance(trainer, TorchTrainer) and type(trainer.backend_config) is TorchConfig
+    assert (trainer.backend_config.timeout_s, trainer.backend_config.backend) == (60, "gloo")
+    assert process_group(config_from_args(parser.parse_args([]))).timeout_s == TorchConfig().timeout_s
+    overridden = {name for name, value in vars(RaychatTrainer).items() if callable(value)}
+    assert overridden == {"_create_default_callbacks"}, overridden
+
+
 def test_the_state_api_pin_reads_what_rays_own_lookup_reads():
     """raychat.run.ray_internals.pin_state_api_to_this_cluster reads the dashboard's address where
     Ray's own address lookup does (ray.dashboard.utils.ray_address_to_api_server_url) and names it in

@@ -3,7 +3,6 @@
     driver         the driver library shared by raychat.train and tune.sweep
     cluster_address  which Ray a command joins: RAY_ADDRESS checked first, else a local instance
     lease          one driver per run: the lease epoch and its heartbeat
-    process_group  the workers' torch.distributed group, set up without torch in Ray Train's controller
     worker_setup   a worker's set-up: model, optimizer, loader, checkpoint, sinks
     loop           the step loop
     step           one optimizer step in plain PyTorch

@@ -64,10 +64,11 @@ AUTOSCALING_COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")
 
 
 def without_dataset_manager(callbacks: list, datasets: dict) -> list:
-    """A trainer's default callbacks (`DataParallelTrainer._create_default_callbacks`, which a
-    trainer subclass overrides with this) less Ray Train's Ray Data set-up when it was given no
-    datasets. That callback starts a DatasetManager actor at every attempt (a process of its own:
-    2.5-3.5 s of a 2-core node's CPU while the worker group starts, on every start and restart) and
+    """A trainer's default callbacks (`DataParallelTrainer._create_default_callbacks`, private, which
+    raychat.run.driver.RaychatTrainer, Ray's TorchTrainer otherwise, overrides with this: the one reason
+    raychat subclasses Ray's trainer) less Ray Train's Ray Data set-up when it was given no
+    datasets. That callback starts a DatasetManager actor at every attempt (a process of its own that
+    imports Ray Data, on the CPUs the worker group starts on, at every start and restart) and
     sends the driver's Ray Data context to every worker, whether or not a worker ever asks for a
     dataset shard. raychat's workers never do: each builds its own pipeline (raychat.data.loader).
     Nothing public leaves it out."""
