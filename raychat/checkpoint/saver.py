@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from raychat.checkpoint.fence import Fence
+from raychat.checkpoint.fence import Fence, LeaseLost
 from raychat.checkpoint.format import checkpoint_dir_name, highest_sequence, prune_checkpoints
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.sharded import Piece, finish_checkpoint, prepare_overwrite, write_rank
@@ -141,6 +141,13 @@ class CheckpointSaver:
     waiting; finish() waits, for the final save and before stopping early (a NaN), so the last good
     checkpoint is whole when the loop ends. Rank 0 keeps the lineage: each checkpoint's meta names
     the one before it (`parent`) and counts (`sequence`).
+
+    A background write that finds the run taken over (LeaseLost, on whichever rank) is not raised
+    by poll() or prepare(): one rank leaving the loop would leave the others waiting in the next
+    collective until its timeout. It is kept in `lost`, which the loop sums across ranks at the
+    next step's all-reduce (or gathers after a synchronous save), so every rank stops at the same
+    step (raychat.run.loop). save() raises it (its caller may need to know; the loop catches it),
+    and writes nothing once it is set; so does close().
     """
 
     def __init__(self, run: Storage, keep: int, rank: int, world_size: int, log: Callable[[str], None],
@@ -156,6 +163,7 @@ class CheckpointSaver:
         self.parent_name = parent_name
         self.resumed_from = parent_name  # never pruned by this saver
         self.submitted_step: int | None = None  # the step of the last save() (one checkpoint per step)
+        self.lost: str | None = None  # why a save of this rank was fenced: another driver holds the run
         self.sequence = max(parent.sequence if parent is not None else 0, self._run_sequence())
 
     def _run_sequence(self) -> int:
@@ -181,13 +189,19 @@ class CheckpointSaver:
         reads as incomplete before any rank writes into it again."""
         if self.rank == 0:
             self.poll(block=True)
-            prepare_overwrite(self.run.child(checkpoint_dir_name(step)), self.fence)
+            if self.lost is None:
+                try:
+                    prepare_overwrite(self.run.child(checkpoint_dir_name(step)), self.fence)
+                except LeaseLost as e:
+                    self.lost = str(e)
 
     def save(self, step: int, pieces: list[Piece], token: str, meta: CheckpointMeta | None = None,
              extra: dict | None = None, wait: bool = False) -> None:
         """Write this rank's `pieces`; rank 0 also `meta` and `extra` (the optimizer's plain data).
         `token` is the same on every rank for one save (from the save's collective)."""
         self.poll(block=True)  # one save in flight: the previous one must be whole first
+        if self.lost is not None:
+            raise LeaseLost(self.lost)
         directory = self.run.child(checkpoint_dir_name(step))
         rank, world = self.rank, self.world_size
         if rank == 0:
@@ -211,6 +225,8 @@ class CheckpointSaver:
         self._pending_step = self.submitted_step = step
         if wait:
             self.poll(block=True)
+            if self.lost is not None:
+                raise LeaseLost(self.lost)
 
     def poll(self, block: bool = False) -> int | None:
         """The step of a save that finished since the last call, or None."""
@@ -218,7 +234,11 @@ class CheckpointSaver:
             return None
         if not block and not self.writer.done():
             return None
-        directory = self.writer.wait()
+        try:
+            directory = self.writer.wait()
+        except LeaseLost as e:
+            self._pending_step, self.lost = None, str(e)
+            return None
         step, self._pending_step = self._pending_step, None
         self.latest_step = step
         if self.rank == 0:
@@ -232,5 +252,8 @@ class CheckpointSaver:
         return self.poll(block=True)
 
     def close(self) -> None:
+        """Finish the save in flight and free the host buffers; LeaseLost if a save was fenced."""
         self.finish()
         self.writer.close()
+        if self.lost is not None:
+            raise LeaseLost(self.lost)

@@ -7,20 +7,33 @@ checkpoints. So a driver takes the run by creating the next epoch's record
 epoch exactly one gets it, however slow either's requests are. Its workers stamp every checkpoint
 with the epoch and write nothing once a higher epoch exists.
 
-A driver that finds the newest epoch not released watches its heartbeat for a few beats on its
-own monotonic clock: if the beat moves, the run has a live driver and the newcomer refuses in one
-line; if not, the holder is gone (killed, node lost, paused) and the next epoch is created. No clock
-is compared across machines. A record that cannot be read is retried, never taken as free. One
-shortcut: a holder that ran on this machine, in this PID namespace, whose process is gone (a driver
-killed or crashed and relaunched on the head node, a job resubmitted after `ray job stop`) is taken
-over at once; a paused process is still there, and waits its beats out like any other.
+A driver that finds the newest epoch not released watches its heartbeat on its own monotonic clock
+for STALE_AFTER_BEATS of the holder's beats (the record says how long a beat is: the holder's
+timing, never the newcomer's, and never less than MIN_TAKEOVER_S): if the beat moves, the run has a
+live driver and the newcomer refuses in one line; if not, the holder is gone (killed, node lost,
+paused) and the next epoch is created. No clock is compared across machines. A record that cannot
+be read is retried, never taken as free. One shortcut: a holder that ran on this machine, in this
+PID namespace, whose process is gone (a driver killed or crashed and relaunched on the head node, a
+job resubmitted after `ray job stop`) is taken over at once; a paused process is still there, and
+waits its beats out like any other.
 
-The holder re-reads the lease at every heartbeat. Once superseded (a higher epoch exists: it was
-paused or cut off for longer than the takeover takes), or unable to confirm its epoch for
-STALE_AFTER_BEATS beats, it stops: `on_lost` tells its workers to stop at their next step, and the
-driver exits with one line naming the new holder.
+The holder re-reads the lease at every heartbeat. Once it sees itself superseded (a higher epoch
+exists: it was paused or cut off for longer than the takeover takes), it stops for good: `on_lost`
+tells its workers to stop, and the driver exits with one line naming the new holder.
+
+A holder that cannot reach storage meets a storage fault like any other, not a lost lease: it
+keeps beating through it, and warns once the fault outlasts the retry budget (raychat.faults). Its
+workers, whose own reads and writes meet the same fault, fail their attempt with the plain,
+retryable StorageUnavailable past that budget, and Ray restarts them. A newcomer may take the run
+over meanwhile (all it sees is silence), and that is safe: the takeover is the atomic create of
+the next epoch, rank 0 checks the epochs before each checkpoint's manifest and each prune
+(raychat.checkpoint.fence.Fence), and what an old writer finishes after the takeover is never
+chosen or counted. So the holder's silence can cost it the run, never give the run two writers;
+stopping on a brownout instead would turn every storage hiccup of a few beats into a lost run that
+no retry policy restarts.
 """
 
+import math
 import os
 import socket
 import sys
@@ -33,11 +46,43 @@ from pathlib import Path
 from raychat.checkpoint import fence
 from raychat.checkpoint.fence import LeaseLost, LeaseRecord
 from raychat.common import RaychatError
-from raychat.faults import StorageUnavailable
+from raychat.faults import StorageUnavailable, retry_budget_s, retry_transient, short_reason
 from raychat.storage import Storage
 
 HEARTBEAT_S = 5.0  # $RAYCHAT_LEASE_HEARTBEAT_S overrides: a takeover waits STALE_AFTER_BEATS of them
-STALE_AFTER_BEATS = 3  # heartbeats a silent lease is watched before it is taken over
+MIN_HEARTBEAT_S = 1.0  # a shorter beat is refused: each beat is a listing and a write to storage
+STALE_AFTER_BEATS = 3  # the holder's heartbeats a silent lease is watched before it is taken over
+# The least a newcomer watches a silent lease, whatever beat its record names (one written by a test,
+# or by an older raychat that took any beat): a driver's process stalls for a second or two (a
+# collection, a loaded host) without being gone.
+MIN_TAKEOVER_S = 3.0
+
+
+def heartbeat_from_env() -> float:
+    """$RAYCHAT_LEASE_HEARTBEAT_S, else HEARTBEAT_S; a value that is no number of seconds at least
+    MIN_HEARTBEAT_S is refused in one line (0 would let any newcomer take a live run at once)."""
+    value = os.environ.get("RAYCHAT_LEASE_HEARTBEAT_S", "")
+    if not value:
+        return HEARTBEAT_S
+    try:
+        beat = float(value)
+    except ValueError:
+        beat = math.nan
+    if not (math.isfinite(beat) and beat >= MIN_HEARTBEAT_S):
+        raise RaychatError(f"RAYCHAT_LEASE_HEARTBEAT_S={value!r} is not a heartbeat: set it to a number of "
+                           f"seconds of at least {MIN_HEARTBEAT_S:g} (default {HEARTBEAT_S:g}), or unset it")
+    return beat
+
+
+def takeover_wait_s(record: LeaseRecord) -> float:
+    """How long a newcomer watches `record` for a beat before taking the run: STALE_AFTER_BEATS of
+    its holder's beats (the default beat for a record from before they were kept), at least
+    MIN_TAKEOVER_S."""
+    return max(MIN_TAKEOVER_S, STALE_AFTER_BEATS * (record.heartbeat_s or HEARTBEAT_S))
+
+
+def _warn(line: str) -> None:
+    print(f"raychat: warning: {line}", file=sys.stderr, flush=True)
 
 
 def _this_machine() -> str | None:
@@ -93,14 +138,19 @@ class RunLease:
     def __init__(self, run_dir: Storage, heartbeat_s: float | None = None,
                  on_lost: Callable[[str], None] | None = None, coordinator: tuple[str, str] | None = None):
         """`coordinator`: (Ray namespace, actor name) of this driver's run coordinator, written into
-        its epoch's record for the driver that may take the run over from it (`taken_over`)."""
+        its epoch's record for the driver that may take the run over from it (`taken_over`).
+        `heartbeat_s`: this driver's beat (tests give short ones; a driver reads
+        $RAYCHAT_LEASE_HEARTBEAT_S, refused below MIN_HEARTBEAT_S)."""
+        if heartbeat_s is not None and not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
+            raise ValueError(f"heartbeat_s={heartbeat_s!r}: a positive number of seconds")
         self.run_dir = run_dir
         self.coordinator = coordinator
-        self.heartbeat_s = heartbeat_s or float(os.environ.get("RAYCHAT_LEASE_HEARTBEAT_S") or HEARTBEAT_S)
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else heartbeat_from_env()
         self.on_lost = on_lost
         self.record: LeaseRecord | None = None
         self.lost: str | None = None  # why this driver no longer holds the run, once it does not
         self.taken_over: LeaseRecord | None = None  # the silent holder's record, when acquired from one
+        self.unconfirmed: str | None = None  # the storage fault the last beat met, while it lasts
         self._holder = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,11 +169,12 @@ class RunLease:
             log(f"The lease on {self.run_dir} is held by a driver that is gone ({self._describe(seen)}: its "
                 "process on this machine has ended): taking it over")
             return seen
+        wait = takeover_wait_s(seen)
         log(f"Run {self.run_dir} is held by a driver ({self._describe(seen)}): checking whether it is alive "
-            f"({STALE_AFTER_BEATS * self.heartbeat_s:.0f} s)")
-        deadline = time.monotonic() + STALE_AFTER_BEATS * self.heartbeat_s
+            f"({wait:.0f} s)")
+        deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            time.sleep(min(1.0, self.heartbeat_s / 2))
+            time.sleep(min(1.0, (seen.heartbeat_s or HEARTBEAT_S) / 2))
             newest = fence.epochs(self.run_dir, log=log)[-1]
             now = fence.read_record(self.run_dir, newest, log=log)
             if now.epoch != seen.epoch or now.beat != seen.beat:
@@ -151,12 +202,13 @@ class RunLease:
         record = LeaseRecord(epoch=newest + 1, holder=self._holder, host=socket.gethostname(),
                              pid=os.getpid(), started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), floor=floor(),
                              coordinator=coordinator, namespace=namespace,
-                             process=process_identity(os.getpid()))
+                             process=process_identity(os.getpid()), heartbeat_s=self.heartbeat_s)
         if not fence.create_record(self.run_dir, record):
             winner = fence.read_record(self.run_dir, record.epoch, log=log)
             raise RaychatError(f"run {self.run_dir} was just taken by another driver "
                                f"({self._describe(winner)}): wait for it to end or choose another --run-name")
         self.record, self.taken_over = record, stale
+        self._budget_s = retry_budget_s()  # read here: a malformed setting is refused before training
         self._thread = threading.Thread(target=self._heartbeat, name="raychat-lease", daemon=True)
         self._thread.start()
 
@@ -177,44 +229,65 @@ class RunLease:
             self._lose(newer)
             raise LeaseLost(self.lost)
 
-    def _lose(self, newer: int | None) -> None:
-        if newer is not None:
-            try:
-                holder = self._describe(fence.read_record(self.run_dir, newer))
-            except (OSError, RaychatError, StorageUnavailable):
-                holder = f"lease epoch {newer}"
-            self.lost = (f"run {self.run_dir} was taken over by another driver ({holder}) while this "
-                         f"driver (lease epoch {self.epoch}) was paused or cut off: this driver stopped and "
-                         "its workers wrote nothing after that; follow the new driver instead")
-        else:
-            self.lost = (f"this driver could not confirm its lease on {self.run_dir} for "
-                         f"{STALE_AFTER_BEATS} heartbeats (storage unreachable): it stopped so that another "
-                         "driver can take the run safely; re-run to resume once storage answers")
+    def _lose(self, newer: int) -> None:
+        try:
+            holder = self._describe(fence.read_record(self.run_dir, newer))
+        except (OSError, RaychatError, StorageUnavailable):
+            holder = f"lease epoch {newer}"
+        self.lost = (f"run {self.run_dir} was taken over by another driver ({holder}) while this "
+                     f"driver (lease epoch {self.epoch}) was paused or cut off: this driver stopped and "
+                     "its workers wrote nothing after that; follow the new driver instead")
         if self.on_lost is not None:
             self.on_lost(self.lost)
 
     def _heartbeat(self) -> None:
-        """Beat, then look for a higher epoch; stop the run once superseded or unconfirmed."""
-        failures = 0
+        """Beat, then look for a higher epoch; stop the run once superseded. Storage faults are
+        ridden out (the module's docstring says why that is safe): each beat retries for half a
+        beat, so the beats keep their pace and the first one after the fault gets through; a fault
+        that outlasts the retry budget is said once, and the beats go on."""
+        unconfirmed_since: float | None = None  # the first beat of a fault that has not ended
+        past_budget = False
         while not self._stop.wait(self.heartbeat_s):
             try:
-                # One beat's worth of retries: a holder must notice it cannot confirm its lease
-                # before the silence lets another driver take the run.
-                newer = fence.Fence(self.run_dir, self.epoch, budget_s=self.heartbeat_s / 2).newer()
+                newer = self._beat()
                 if newer is not None:
                     self._lose(newer)
                     return
-                self.record.beat += 1
-                fence.replace_record(self.run_dir, self.record, budget_s=self.heartbeat_s / 2)
-                failures = 0
-            except (OSError, StorageUnavailable, RaychatError):
-                failures += 1  # a beat lost to storage: others see silence for as long
-                if failures >= STALE_AFTER_BEATS:
-                    self._lose(None)
-                    return
+                if unconfirmed_since is not None:
+                    _warn(f"the lease on {self.run_dir} is confirmed again after "
+                          f"{time.monotonic() - unconfirmed_since:.0f} s of storage faults")
+                unconfirmed_since, past_budget, self.unconfirmed = None, False, None
+            except (OSError, StorageUnavailable, RaychatError) as e:
+                now = time.monotonic()
+                self.unconfirmed = short_reason(e)
+                if unconfirmed_since is None:
+                    unconfirmed_since = now
+                    _warn(f"could not confirm the lease on {self.run_dir} ({self.unconfirmed}); retrying at "
+                          "every heartbeat")
+                elif not past_budget and now - unconfirmed_since >= self._budget_s:
+                    past_budget = True
+                    _warn(f"the lease on {self.run_dir} has not been confirmed for "
+                          f"{now - unconfirmed_since:.0f} s; still retrying. The workers' own storage faults "
+                          "fail their attempt past the same budget (Ray restarts it), and their saves stop "
+                          "if another driver takes the run")
+
+    def _beat(self) -> int | None:
+        """One heartbeat: the highest epoch above this one if there is one, else the beat written.
+        Each step is retried for half a beat, quietly (the heartbeat says when a fault begins and
+        ends), so the beats keep their pace through a fault and the first one after it gets through."""
+        budget, quiet = self.heartbeat_s / 2, lambda _: None
+        found = fence.epochs(self.run_dir, log=quiet, budget_s=budget)
+        if found and found[-1] > self.epoch:
+            return found[-1]
+        self.record.beat += 1
+        directory, name = fence.lease_dir(self.run_dir), fence.epoch_file(self.epoch)
+        data = self.record.to_json()
+        retry_transient(lambda: directory.replace_atomically(name, data), f"writing {directory.child(name)}",
+                        log=quiet, budget_s=budget)
+        return None
 
     def release(self) -> None:
-        """Let the next driver in at once (a killed driver's lease is taken over after 3 silent beats)."""
+        """Let the next driver in at once (a killed driver's lease is taken over after its silence)."""
         if self._thread is None:
             return
         self._stop.set()
@@ -229,6 +302,6 @@ class RunLease:
                 self.record.released = True
                 fence.replace_record(self.run_dir, self.record, budget_s=budget)
         except (OSError, StorageUnavailable, RaychatError) as e:
-            wait = STALE_AFTER_BEATS * self.heartbeat_s
+            wait = max(MIN_TAKEOVER_S, STALE_AFTER_BEATS * self.heartbeat_s)
             print(f"raychat: warning: could not release the lease on {self.run_dir} ({e}); the next driver "
                   f"takes it over after {wait:.0f} s", file=sys.stderr, flush=True)

@@ -16,6 +16,8 @@ import os
 import resource
 import time
 import uuid
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -137,7 +139,9 @@ def save(w: Worker, state: LoopState, wait: bool) -> bool:
         # The metrics log is asked to write every step the checkpoint covers, in its own thread: the
         # save does not wait on it (a replica carries what it still holds).
         flush_soon()
-        w.saver.prepare(state.step)
+        w.saver.prepare(state.step)  # rank 0: the save in flight ends first; a fenced one sets `lost`
+    if w.master:
+        lost = lost or w.saver.lost
     held = w.replicator.held_step if w.replicator is not None else None  # the step a peer node holds
     gathered = all_gather_objects((w.loader.state(), uuid.uuid4().hex, lost, held), w.world_size)
     if gathered[0][2] is not None:
@@ -148,8 +152,26 @@ def save(w: Worker, state: LoopState, wait: bool) -> bool:
     cursors = [cursor for cursor, _, _, _ in gathered]
     merged = merge_cursor(cursors, w.loader.num_units, w.loader.shuffle_seed) if w.master else None
     meta = checkpoint_meta(w, state, merged) if w.master else None
-    w.saver.save(state.step, pieces, gathered[0][1], meta, extra=plain, wait=wait)
+    with suppress(LeaseLost):  # kept in w.saver.lost: every rank hears it below or at the next step
+        w.saver.save(state.step, pieces, gathered[0][1], meta, extra=plain, wait=wait)
+    if wait:
+        stop_if_lost(w, max(all_gather_objects(w.saver.lost is not None, w.world_size)))
     return True
+
+
+def stop_if_lost(w: Worker, any_rank_lost: float) -> None:
+    """LeaseLost on every rank once any rank's save was fenced (`any_rank_lost`: summed or
+    gathered across ranks): another driver holds the run, and the group stops at the same step
+    on every rank instead of leaving the others in the next collective."""
+    if any_rank_lost:
+        raise LeaseLost(w.saver.lost or f"run {w.saver.run} was taken over by another driver (lease epoch "
+                        f"above {w.saver.fence.epoch}, found by another rank): this worker stopped")
+
+
+def agreed_flags(w: Worker, elastic: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
+    """What this rank adds to the step's all-reduce: the elastic flags, and whether its last save
+    was fenced (raychat.checkpoint.saver: `lost`), for `stop_if_lost`."""
+    return (*elastic(), float(w.saver.lost is not None))
 
 
 def replicate(w: Worker, state: LoopState) -> None:
@@ -417,10 +439,12 @@ def _steps(w: Worker, state: LoopState, signals: ElasticSignals) -> None:
                           and w.replicator.wanted(state.step + 1, first_step, signals.step_s))
         next_step = state.step + 1  # an evaluation or the last step next: a notice's save goes first
         busy_next = any(_evaluations_due(cfg, next_step, next_step >= num_iterations))
-        flags = partial(signals.local_flags, save_next, busy_next=busy_next, replicate_due=replicate_next,
-                        still_sending=w.replicator.sending if w.replicator is not None else None)
-        result = train_step(w, state.step, also_sum=flags)  # asked at the all-reduce
-        signals.update(result.summed)
+        elastic = partial(signals.local_flags, save_next, busy_next=busy_next, replicate_due=replicate_next,
+                          still_sending=w.replicator.sending if w.replicator is not None else None)
+        result = train_step(w, state.step, also_sum=partial(agreed_flags, w, elastic))  # asked then
+        *summed, lost = result.summed
+        stop_if_lost(w, lost)
+        signals.update(summed)
         signals.step_s = result.dt
         if cadence is not None:
             cadence.step_done(result.dt)
