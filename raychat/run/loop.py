@@ -463,6 +463,8 @@ def _steps(w: Worker, state: LoopState, signals: ElasticSignals) -> None:
             gc.collect()
             gc.freeze()
             gc.disable()
+            if w.compile_cache is not None:  # the first compiled step is done: a restart needs no compile
+                w.compile_cache.save()
         elif state.step % 5000 == 0:
             gc.collect()
         state.step += 1

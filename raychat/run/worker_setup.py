@@ -33,6 +33,7 @@ from raychat.config import TrainConfig
 from raychat.corpus.index import CorpusIndex, CorpusRecord, confirm_identity, corpus_record
 from raychat.data.loader import TrainLoader
 from raychat.memory import fit_plan_to_device
+from raychat.model.compile_cache import CompileCache, cache_key
 from raychat.model.compile_check import probe_compile, uses_compile
 from raychat.model.flops import peak_flops
 from raychat.model.gpt import build_model
@@ -105,6 +106,7 @@ class Worker:
     # Rank 0: the replica interval at which a peer node held every rank's state at the last save (None:
     # not all of it), what the storage cadence leans on (Replicator.peer_interval).
     peer_every: int | None = None
+    compile_cache: CompileCache | None = None  # rank 0 of a compiled run: saved after the first step
 
     @property
     def master(self) -> bool:
@@ -361,6 +363,12 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     loader = start_loader(loader_meta)
     done("start_loader")
 
+    compile_cache = None
+    if use_compile:  # inductor's cache filled from the run's before anything compiles (a new node's is empty)
+        precision_name = resolve_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, me.device).name
+        key = cache_key(plan.model, me.device, precision_name)
+        compile_cache = CompileCache(run, key, me.log if me.rank == 0 else lambda _: None)
+        compile_cache.load()
     orig_model, model, optimizer, precision = _build_model_and_optimizer(cfg, plan, me.device, use_compile)
     state = LoopState()
     done("build_model")
@@ -417,6 +425,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
         micro_slices=slices, peak_flops=peak, trace_dir=trace_dir,
         wandb=WandbLogger(cfg.run, config=cfg.to_public_dict(), run_dir=run) if master else None,
         attempt=me.gather(f"{time.time():.3f}")[0] if trace_dir else "", replicator=replicator,
+        compile_cache=compile_cache if master else None,
     )
     # What this attempt's restore read from checkpoint files in storage, all ranks (0 from peer memory).
     done("components")
