@@ -174,7 +174,8 @@ class TrainConfig(Record):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise RaychatError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
-        positive = ["depth", "aspect_ratio", "head_dim", "max_seq_len", "vocab_size"]
+        positive = ["depth", "aspect_ratio", "head_dim", "max_seq_len", "vocab_size",
+                    "process_group_timeout_s"]
         for name in positive:
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")

@@ -10,13 +10,11 @@ import argparse
 import time
 
 from raychat.common import run_cli
-from raychat.config import TrainConfig, add_config_flags, config_from_args, preset_note
+from raychat.config import add_config_flags, config_from_args, preset_note
 from raychat.data.budget import corpus_budget_lines
-from raychat.faults import check_settings
 from raychat.run.cadence import plan_line, replica_line
 from raychat.run.driver import connect_ray, disconnect_ray, fit_run, prepare_run, summary_lines
 from raychat.scaling import format_plan
-from raychat.storage import Storage, is_uri
 
 EPILOG = """\
 Examples:
@@ -36,7 +34,6 @@ def main(argv: list[str] | None = None) -> int:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(parser)
     cfg = config_from_args(parser.parse_args(argv))
-    check_start(cfg)
     run = prepare_run(cfg)
     print(format_plan(run.plan), flush=True)
     if (note := preset_note(run.cfg.preset)) is not None:
@@ -52,17 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     if connected_here:
         disconnect_ray()
     return 0
-
-
-def check_start(cfg: TrainConfig) -> None:
-    """What the environment and the locations' endpoints must be, checked before anything runs: a
-    malformed RAYCHAT_* setting would otherwise end the run at its first storage fault, and a typo'd
-    endpoint host be retried for minutes as if it were a DNS hiccup (which mid-run it may be)."""
-    check_settings()
-    for flag, location in (("--storage-path", cfg.storage_path), ("--data-dir", cfg.data_dir),
-                           ("--tokenizer-dir", cfg.tokenizer_dir)):
-        if is_uri(location):
-            Storage(location).check_endpoint(flag)
 
 
 if __name__ == "__main__":

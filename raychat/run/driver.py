@@ -45,7 +45,7 @@ from raychat.corpus.check import summarize
 from raychat.corpus.default import prepare_default_corpus
 from raychat.corpus.index import CorpusIndex, check_checkpoint_corpus
 from raychat.data.loader import check_cursor_fits
-from raychat.faults import retry_transient
+from raychat.faults import check_settings, retry_transient
 from raychat.model.compile_check import check_compile
 from raychat.model.precision import check_precision
 from raychat.optim.registry import check_same_optimizer
@@ -67,7 +67,7 @@ from raychat.run.elastic import (
     RecordReservation,
     release_stale_reservation,
 )
-from raychat.run.lease import RunLease
+from raychat.run.lease import RunLease, heartbeat_from_env
 from raychat.run.loop import train_loop_per_worker
 from raychat.run.quiet import VERBOSE_ENV, quiet_ray, verbose
 from raychat.run.ray_internals import record_command_line_redacted, without_dataset_manager
@@ -222,6 +222,18 @@ def choose_initial_weights(cfg: TrainConfig, plan: Plan, tokenizer: Tokenizer, r
     return seed
 
 
+def check_start(cfg: TrainConfig) -> None:
+    """What the environment and the locations' endpoints must be, checked before anything runs: a
+    malformed RAYCHAT_* setting would otherwise end the run at its first storage fault, and a typo'd
+    endpoint host be retried for minutes as if it were a DNS hiccup (which mid-run it may be)."""
+    check_settings()
+    heartbeat_from_env()
+    for flag, location in (("--storage-path", cfg.storage_path), ("--data-dir", cfg.data_dir),
+                           ("--tokenizer-dir", cfg.tokenizer_dir)):
+        if is_uri(location):
+            Storage(location).check_endpoint(flag)
+
+
 def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:
     """Every check the driver can make, cheapest first, before Ray is even started."""
     launched = time.time()
@@ -229,6 +241,7 @@ def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:
         check_cluster_answers(os.environ.get("RAY_ADDRESS", ""))
     check_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, cfg.gpus_per_worker)
     compile_checked = check_compile(cfg.compile, cfg.gpus_per_worker)
+    check_start(cfg)
     cfg = resolve_paths(cfg)
     Storage(cfg.storage_path).check_writable()
     cfg = check_eval_bundle(cfg, log)
