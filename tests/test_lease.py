@@ -309,51 +309,79 @@ def histories(draw):
     keep = draw(st.integers(0, 3))
     ops = draw(st.lists(st.one_of(
         st.just(("save",)),
+        st.just(("save",)),  # twice as likely: rewinds and damage need checkpoints to act on
         st.tuples(st.just("rewind"), st.integers(0, 50)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
         st.tuples(st.just("damage"), st.integers(0, 50)),
         st.tuples(st.just("unreadable"), st.integers(0, 50)),
-    ), min_size=1, max_size=12))
+    ), min_size=1, max_size=14))
     return keep, ops
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def _expected_latest(run: Storage, model: list[str], broken: set[str], unreadable: set[str]) -> str | None:
+    """The newest whole checkpoint on the branch as its parents lead back from its newest readable
+    member: past a record that cannot be read (its directory is there), never past a pruned parent
+    (below one may lie an abandoned branch as well as this one's older checkpoints)."""
+    readable = [n for n in model if run.exists(n) and n not in unreadable]
+    if not readable:
+        return None
+    for name in reversed(model[:model.index(readable[-1]) + 1]):
+        if not run.exists(name):
+            return None
+        if name not in broken | unreadable:
+            return name
+    return None
+
+
+def _driver(run: Storage, keep: int, resume_from: str | None) -> tuple[RunLease, CheckpointSaver]:
+    """A new driver on `run`: the next lease epoch, resuming from `resume_from` (None: the start)."""
+    held = RunLease(run, heartbeat_s=60)
+    held.acquire(floor=lambda: highest_sequence(run), log=QUIET)
+    parent = read_meta(run.child(resume_from)) if resume_from is not None else None
+    held.record_resume(parent.sequence if parent is not None else 0)
+    return held, CheckpointSaver(run, keep=keep, rank=0, world_size=1, log=QUIET,
+                                 fence=Fence(run, held.epoch), parent=parent, parent_name=resume_from)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(history=histories())
 def test_lineage_survives_rewinds_damage_and_unreadable_records(tmp_path_factory, history):
     """Whatever happens, the newest readable whole checkpoint of the current branch survives every
     prune, "latest" is that checkpoint, a record that cannot be read is never deleted, and nothing
-    of an abandoned branch is ever chosen."""
+    of an abandoned branch is ever chosen. A rewind abandons the branch above its checkpoint only
+    once the rewound run saves: a driver that rewinds and stops first ("abort") hides and deletes
+    nothing, and the next driver resumes from the newest checkpoint as if it never ran."""
     keep, ops = history
     run = Storage(str(tmp_path_factory.mktemp("lineage") / "run"))
     model: list[str] = []  # the current branch, oldest first, as the operations made it
+    rewound_to: str | None = None  # the rewind of the driver now holding the run, until it saves
     broken: set[str] = set()  # members whose manifest or record was damaged
     unreadable: set[str] = set()
     abandoned: set[str] = set()
-    lease = RunLease(run, heartbeat_s=60)
-    lease.acquire(floor=lambda: 0, log=QUIET)
-    lease.record_resume(0)
-    saver = CheckpointSaver(run, keep=keep, rank=0, world_size=1, log=QUIET, fence=Fence(run, lease.epoch))
+    lease, saver = _driver(run, keep, None)
     step = 0
     for op in ops:
         existing = [name for name in model if run.exists(name)]
+        whole = [n for n in existing if n not in broken | unreadable]
         if op[0] == "save":
+            if rewound_to is not None:
+                cut = model.index(rewound_to) + 1
+                abandoned |= set(model[cut:])
+                model, rewound_to = model[:cut], None
             step += 1
             _save(saver, step)
             model.append(checkpoint_dir_name(step))
-        elif op[0] == "rewind":
-            whole = [n for n in existing if n not in broken | unreadable]
+        elif op[0] in ("rewind", "abort"):
             if not whole:
                 continue
-            chosen = whole[op[1] % len(whole)]
             lease.release()
-            lease = RunLease(run, heartbeat_s=60)
-            lease.acquire(floor=lambda: highest_sequence(run), log=QUIET)
-            lease.record_resume(read_meta(run.child(chosen)).sequence)
-            cut = model.index(chosen) + 1
-            abandoned |= set(model[cut:])
-            model = model[:cut]
-            saver = CheckpointSaver(run, keep=keep, rank=0, world_size=1, log=QUIET,
-                                    fence=Fence(run, lease.epoch), parent=read_meta(run.child(chosen)),
-                                    parent_name=chosen)
+            lease, saver = _driver(run, keep, whole[op[1] % len(whole)])
+            rewound_to = whole[op[1] % len(whole)]
+            if op[0] == "abort":  # it stops before its first save; a plain rerun follows
+                lease.release()
+                latest = latest_valid_checkpoint(run, log=QUIET)
+                lease, saver = _driver(run, keep, latest.name if latest else None)
+                rewound_to = None
         elif existing:
             victim = existing[op[1] % len(existing)]
             if op[0] == "damage":
@@ -363,9 +391,9 @@ def test_lineage_survives_rewinds_damage_and_unreadable_records(tmp_path_factory
                 run.child(victim).write_bytes(META_FILE, b"{not json")
                 unreadable.add(victim)
 
-        whole = [n for n in model if run.exists(n) and n not in broken | unreadable]
         latest = latest_valid_checkpoint(run, log=QUIET)
-        assert (latest.name if latest else None) == (whole[-1] if whole else None), (op, model)
+        expected = _expected_latest(run, model, broken, unreadable)
+        assert (latest.name if latest else None) == expected, (op, model)
         assert all(run.exists(name) for name in unreadable)  # never pruned on a guess
         assert not abandoned & {c.name for c in branch(run, log=QUIET)}
     lease.release()

@@ -12,7 +12,7 @@ link, and warns once, naming the fix, when it is plain sockets.
 How the report is captured (NCCL's src/debug.cc, https://github.com/NVIDIA/nccl/blob/master/src/debug.cc):
 NCCL reads NCCL_DEBUG, NCCL_DEBUG_SUBSYS and NCCL_DEBUG_FILE once, at its first log call, which
 comes with the process's first communicator; torch makes that communicator lazily, at the first
-collective (raychat.run.process_group passes no device_id to init_process_group). Setting the three
+collective (Ray Train's TorchConfig passes no device_id to init_process_group). Setting the three
 variables at the start of the worker's set-up, before its first collective, is therefore in time.
 NCCL_DEBUG_FILE sends the report to a file of this process instead of stderr (`%p`: NCCL puts the
 pid there), line-buffered, so it is complete when the collective returns; the INIT and NET
