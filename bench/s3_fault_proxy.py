@@ -18,7 +18,8 @@ this one consistent).
 Kinds: "delay" (answer after `delay_s`), "slowdown" (503 SlowDown), "error500" (500 InternalError),
 "notimplemented" (501 NotImplemented, what a store answers a request it does not implement),
 "forbidden" (403 AccessDenied: a policy that denies some keys),
-"reset" (TCP reset after reading the request), "stall" (hold each request until the fault's window
+"reset" (TCP reset after reading the request), "lost_reply" (forwarded, then a TCP reset instead of
+the answer: the store did it, the client never heard), "stall" (hold each request until the fault's window
 ends, then forward it: a frozen endpoint that thaws), "cut" (forward, then send half the body and
 close), "drop_conditions" (forward without the If-None-Match and If-Match headers: the S3-compatible
 stores and proxies that ignore conditional writes). A fault applies to requests matching `method`
@@ -38,8 +39,8 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-KINDS = ("delay", "slowdown", "error500", "notimplemented", "forbidden", "reset", "stall", "cut",
-         "drop_conditions")
+KINDS = ("delay", "slowdown", "error500", "notimplemented", "forbidden", "reset", "lost_reply", "stall",
+         "cut", "drop_conditions")
 # What a store that ignores conditional writes drops: the preconditions of S3's PUT.
 CONDITION_HEADERS = {"if-none-match", "if-match"}
 
@@ -194,10 +195,7 @@ def _handler_class(proxy: S3FaultProxy) -> type[BaseHTTPRequestHandler]:
             fault = proxy._pick(self.command, self.path)
             kind = fault.kind if fault else None
             if kind == "reset":
-                # SO_LINGER 0: close() sends RST, what a load balancer dropping a connection does.
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                self.close_connection = True
-                self.connection.close()
+                self._reset()
                 return
             if kind in S3_ERRORS:
                 status, code, message = S3_ERRORS[kind]
@@ -210,6 +208,9 @@ def _handler_class(proxy: S3FaultProxy) -> type[BaseHTTPRequestHandler]:
                 fault.ended.wait(max(0.0, fault.until - time.monotonic()))
             status, headers, payload = self._forward(body, drop=CONDITION_HEADERS
                                                      if kind == "drop_conditions" else set())
+            if kind == "lost_reply":
+                self._reset()
+                return
             if kind == "cut" and len(payload) > 1:
                 self.send_response(status)
                 for name, value in headers:
@@ -222,6 +223,12 @@ def _handler_class(proxy: S3FaultProxy) -> type[BaseHTTPRequestHandler]:
                 self.connection.shutdown(socket.SHUT_RDWR)
                 return
             self._answer(status, headers, payload)
+
+        def _reset(self) -> None:
+            # SO_LINGER 0: close() sends RST, what a load balancer dropping a connection does.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            self.connection.close()
 
         def _forward(self, body: bytes, drop: set[str]) -> tuple[int, list[tuple[str, str]], bytes]:
             """The upstream's answer to this request, sent with the client's own headers (Host kept)

@@ -81,6 +81,10 @@ class TrainConfig(Record):
                               "(-1 = corpus order, as nanochat reads it)", "data")
     compile: str = _flag("auto", "torch.compile the model: auto (on for CUDA, off on CPU), on, off",
                          "optimization", choices=("auto", "on", "off"))
+    no_compile_cache: bool = _flag(False, "do not keep torch.compile's cache with the run (by default a "
+                                   "restart on a new node loads it instead of compiling again; it holds "
+                                   "code the workers run, so a run's storage must be writable only by "
+                                   "those trusted to run it)", "optimization")
     dtype: str = _flag("auto", "activation dtype (weights stay fp32): auto (bf16 on CUDA SM80+ and on CPUs "
                        "with avx512_bf16/amx_bf16, else fp32), bf16, fp32", "optimization",
                        choices=("auto", "bf16", "fp32"))

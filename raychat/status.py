@@ -21,7 +21,7 @@ from typing import Any
 from raychat.checkpoint.format import latest_valid_checkpoint
 from raychat.common import RaychatError, run_cli
 from raychat.run.metrics_log import read_timeline
-from raychat.storage import Storage, redact, run_directory
+from raychat.storage import SafeLocation, Storage, redact, run_directory
 
 TRAIN_RUNS_API = "/api/train/v2/runs/v1"
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
@@ -57,8 +57,17 @@ def train_runs(address: str, token: str | None, timeout_s: float = 10.0) -> list
     dashboard takes its token, and urllib would read the user:password as part of the host)."""
     if "://" not in address:  # host:port, as `ray dashboard` and RAY_ADDRESS write it
         address = f"http://{address}"
-    shown = redact(address)
-    parts = urllib.parse.urlsplit(address)
+    shown, safe = redact(address), SafeLocation(address)
+    try:
+        parts = urllib.parse.urlsplit(address)
+    except ValueError:
+        raise RaychatError(f"--address {shown} is not a URL (a '[' or ']' outside an IPv6 host)") from None
+    if "@" in address and "@" not in parts.netloc:
+        # A '/', '?' or '#' in the password ended the host early: urllib would connect to a host
+        # named after the user, on a port taken from the password, and send it the token.
+        raise RaychatError(f"--address {shown}: its user:password holds a raw '/', '?' or '#'; drop the "
+                           "user:password (the dashboard takes the cluster's token) or write them %2F, %3F, "
+                           "%23")
     if "@" in parts.netloc:
         address = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
     request = urllib.request.Request(address.rstrip("/") + TRAIN_RUNS_API)
@@ -78,7 +87,7 @@ def train_runs(address: str, token: str | None, timeout_s: float = 10.0) -> list
                 else " ".join(e.read().decode(errors="replace").split())[:200])
         raise RaychatError(f"the dashboard at {shown} refused the state API ({e.code}): {hint}") from None
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:  # a bad port, say
-        reason = str(getattr(e, "reason", e)).replace(address, shown)
+        reason = safe.scrub(str(getattr(e, "reason", e)).replace(address, shown))
         raise RaychatError(f"no Ray dashboard at {shown} ({reason}); pass --address (through `ray dashboard` "
                            "for a cluster) or use --storage-only") from None
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO, TypeVar
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -58,11 +58,22 @@ ADDRESS_PARAM = re.compile(r"endpoint|proxy|url|uri|host", re.IGNORECASE)
 VALUE_USERINFO = re.compile(r"^((?:[a-zA-Z][\w+.-]*://)?)(.*)@")
 
 
+def _split(uri: str) -> SplitResult | None:
+    """urlsplit, or None for what it cannot parse (a '[' or ']' outside an IPv6 host)."""
+    try:
+        return urlsplit(uri)
+    except ValueError:
+        return None
+
+
 def _hidden_userinfo(uri: str) -> tuple[int, int] | None:
     """Where a URI's own user:password sits when a raw '/', '?' or '#' in it hid it from urlsplit
     (`s3://KEY:ab/cd@bucket/...` parses as host "KEY:ab"): from after "://" to its '@' (the last
     before the first '=': a query value's own '@' comes after that), or None."""
-    netloc = urlsplit(uri).netloc
+    parts = _split(uri)
+    if parts is None:
+        return None
+    netloc = parts.netloc
     if "@" in netloc or ":" not in netloc:  # a bucket name holds no ':'; a host:port is a guess away
         return None
     start = uri.index("://") + 3
@@ -90,7 +101,9 @@ def redact(location: str) -> str:
         return location
     if (hidden := _hidden_userinfo(location)) is not None:
         location = location[:hidden[0]] + "***" + location[hidden[1]:]
-    parts = urlsplit(location)
+    parts = _split(location)
+    if parts is None:  # nothing of it can be told apart from a secret
+        return location.split("://", 1)[0] + "://***"
     if parts.fragment:
         parts = parts._replace(query="***" if parts.query else "", fragment="***")
     netloc = parts.netloc
@@ -121,10 +134,12 @@ class SafeLocation(str):
 
     def scrub(self, text: str) -> str:
         """`text` (an error from the filesystem, say) with this location's credentials as `***`."""
-        parts = urlsplit(self._uri) if is_uri(self._uri) else None
-        if parts is None:
+        if not is_uri(self._uri):
             return text
         text = text.replace(self._uri, self)
+        parts = _split(self._uri)
+        if parts is None:
+            return text
         secrets = [parts.username, parts.password]
         if (hidden := _hidden_userinfo(self._uri)) is not None:
             secrets += self._uri[hidden[0]:hidden[1]].split(":", 1)
@@ -152,6 +167,9 @@ def normalize_location(location: "str | Path") -> SafeLocation:
 def check_uri(uri: str) -> None:
     """Refuse, in one line that shows no secret, what no filesystem can open and its errors would
     print: a fragment (a '#' not written %23), a server parameter with a user:password@ of its own."""
+    if _split(uri) is None:
+        raise RaychatError(f"{redact(uri)}: not a URI raychat can read (a '[' or ']' outside an IPv6 host "
+                           "address): write them %5B and %5D")
     if _hidden_userinfo(uri) is not None:
         raise RaychatError(f"{redact(uri)}: the URI's user:password holds a raw '/', '?' or '#', which "
                            "ends it early (and the filesystem's errors would print it): write them %2F, "

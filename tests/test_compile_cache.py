@@ -11,6 +11,7 @@ import tarfile
 
 import pytest
 
+from raychat.model import compile_cache
 from raychat.model.compile_cache import CACHE_DIR, CompileCache
 from raychat.storage import Storage
 
@@ -77,3 +78,19 @@ def test_an_archive_that_does_not_load_is_ignored_in_one_line(tmp_path, monkeypa
     assert len(said) == 1 and "ignored" in said[0] and "compiling from scratch" in said[0], said
     assert not (tmp_path / "escaped.py").exists()
     assert CompileCache(run, "other-key", said.append).load() is False and len(said) == 1  # none: quiet
+
+
+def test_an_archive_past_the_limits_is_not_unpacked(tmp_path, monkeypatch):
+    """An archive larger than a restart's compile is worth is not even read, and one whose members
+    unpack past the limit (a gzip bomb) writes nothing. (The limits, gigabytes, are lowered here.)"""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "local"))
+    run = Storage(str(tmp_path / "run"))
+    bomb = _archive({"a.py": bytes(4096), "b.py": bytes(4096)})  # 8 KiB of zeros, compressed tiny
+    run.child(CACHE_DIR).write_bytes("key.tar.gz", bomb)
+    monkeypatch.setattr(compile_cache, "MAX_UNPACKED_BYTES", 6000)
+    said: list[str] = []
+    assert CompileCache(run, "key", said.append).load() is False
+    assert "unpacks to more than" in said[-1] and not (tmp_path / "local" / "a.py").exists()
+    monkeypatch.setattr(compile_cache, "MAX_ARCHIVE_BYTES", len(bomb) - 1)
+    assert CompileCache(run, "key", said.append).load() is False
+    assert "more than a restart's compile is worth" in said[-1] and len(said) == 2

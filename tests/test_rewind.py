@@ -3,16 +3,22 @@ every checkpoint looks damaged is refused rather than started over, a record tha
 stops the driver in one line and never fails a whole save's prune, and saves that died before their
 record are pruned once a newer checkpoint is whole."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import s3_uri
 from helpers import all_files, copy_tree, refusal, run_train, tiny_flags
 
 from bench.s3_fault_proxy import S3FaultProxy
+from raychat.checkpoint import fence
+from raychat.checkpoint.fence import Fence, LeaseLost
 from raychat.checkpoint.format import (
     MANIFEST_FILE,
     META_FILE,
+    CheckpointUnreadable,
     checkpoint_dir_name,
+    highest_sequence,
     latest_valid_checkpoint,
     list_checkpoints,
     prune_checkpoints,
@@ -26,6 +32,7 @@ from raychat.common import RaychatError
 from raychat.config import add_config_flags, config_from_args
 from raychat.model.gpt import GPTConfig
 from raychat.run.driver import hold_run, prepare_run
+from raychat.run.lease import RunLease
 from raychat.storage import Storage
 
 QUIET = lambda _: None  # noqa: E731
@@ -70,6 +77,20 @@ def test_a_rewind_that_stopped_before_training_hides_and_deletes_nothing(ray_ses
 
     assert latest_valid_checkpoint(run, log=QUIET).name == "checkpoint_000020"
     assert driver_choice(run, 20, log=QUIET).name == "checkpoint_000020"
+
+    # 20 looks damaged for a while (a restore still copying its rank file): a driver that falls back
+    # to 16 by itself records no rewind, so its first save could never disown 20.
+    twenty = run.child("checkpoint_000020")
+    rank0 = next(f.base_name for f in twenty.files() if f.base_name.startswith("rank"))
+    whole = twenty.read_bytes(rank0)
+    twenty.delete(rank0)
+    falling_back = prepare_run(_config([*flags, "--num-iterations", "24"]), log=QUIET)
+    assert falling_back.resume_from.name == "checkpoint_000016"
+    lease = hold_run(falling_back, log=QUIET)
+    lease.release()
+    assert lease.record.resumed == lease.record.floor
+    twenty.write_bytes(rank0, whole)
+
     rerun = run_train(ray_session, [*flags, "--num-iterations", "24"])
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resuming from checkpoint_000020 (step 20)" in rerun.stdout
@@ -138,3 +159,72 @@ def test_saves_that_died_before_their_record_are_pruned_below_the_newest_whole_o
     saver.close()
     assert run.subdirs() == ["checkpoint_000004", "checkpoint_000009"]
     assert prune_checkpoints(run, keep=1, log=QUIET) == []  # nothing else to delete
+
+
+def _held(run: Storage, resume_from: str | None, keep: int = 100) -> tuple[RunLease, CheckpointSaver]:
+    """A driver's lease on `run`, resuming (or rewinding) to `resume_from`, and its rank 0's saver."""
+    held = RunLease(run, heartbeat_s=60)
+    held.acquire(floor=lambda: highest_sequence(run), log=QUIET)
+    parent = read_meta(run.child(resume_from)) if resume_from else None
+    held.record_resume(parent.sequence if parent else 0)
+    saver = CheckpointSaver(run, keep=keep, rank=0, world_size=1, log=QUIET, fence=Fence(run, held.epoch),
+                            parent=parent, parent_name=resume_from)
+    return held, saver
+
+
+def test_a_rewind_whose_first_save_died_before_its_manifest_hides_and_deletes_nothing(tmp_path):
+    """Saves 10..50; a driver rewinds to 20 and its first save (25) dies between meta.json and the
+    manifest. That save is not a checkpoint: the next driver resumes from 50 (not from 20, where the
+    dead save's parent points), and its prune deletes the dead save, nothing of the branch."""
+    run = Storage(str(tmp_path / "run"))
+    first, saver = _held(run, None)
+    for step in (10, 20, 30, 40, 50):
+        _save(saver, step)
+    saver.close()
+    first.release()
+    rewinding, _ = _held(run, checkpoint_dir_name(20))
+    dead = run.child(checkpoint_dir_name(25))
+    write_rank(dead, 0, 1, "t25", [Piece("model/w", (4,), 0, torch.full((4,), 25.0))])
+    meta = dataclasses.replace(read_meta(run.child(checkpoint_dir_name(20))), step=25, sequence=6,
+                               parent=checkpoint_dir_name(20), lease_epoch=rewinding.epoch)
+    dead.write_bytes(META_FILE, meta.to_json())  # and then the node was lost
+    rewinding.release()
+    assert latest_valid_checkpoint(run, log=QUIET).name == "checkpoint_000050"
+    rerun, saver = _held(run, "checkpoint_000050")
+    _save(saver, 60)
+    saver.close()
+    rerun.release()
+    assert _names(run) == [checkpoint_dir_name(step) for step in (10, 20, 30, 40, 50, 60)]
+    assert not run.exists(checkpoint_dir_name(25))
+
+
+def test_a_floor_that_cannot_read_every_record_takes_no_lease(s3_endpoint):
+    """The floor a new epoch records must count every checkpoint: one whose meta.json is denied
+    (403) stops the driver in one line before its epoch exists, rather than being disowned later."""
+    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+        run = Storage(s3_uri(proxy.address, "denied-floor")).child("run")
+        saver = CheckpointSaver(run, keep=0, rank=0, world_size=1, log=QUIET)
+        for step in (1, 2):
+            _save(saver, step)
+        saver.close()
+        proxy.inject("forbidden", match=f"{checkpoint_dir_name(2)}/{META_FILE}")
+        with pytest.raises(CheckpointUnreadable, match="checkpoint_000002/meta.json"):
+            RunLease(run, heartbeat_s=60).acquire(floor=lambda: highest_sequence(run), log=QUIET)
+        proxy.clear()
+        assert fence.epochs(run) == []
+
+
+def test_a_writer_superseded_while_it_prunes_deletes_nothing_more(tmp_path):
+    """Epoch 1 is about to prune; epoch 2 takes the run over first. The prune's check before each
+    deletion stops it: nothing epoch 2 may resume from or be writing is deleted."""
+    run = Storage(str(tmp_path / "run"))
+    held, saver = _held(run, None)
+    for step in (1, 2, 3):
+        _save(saver, step)
+    saver.close()
+    fence.create_record(run, fence.LeaseRecord(epoch=2, holder="taker", host="h", pid=1, started="now",
+                                               floor=3, resumed=1))
+    with pytest.raises(LeaseLost):
+        prune_checkpoints(run, keep=1, log=QUIET, fence=Fence(run, held.epoch))
+    assert _names(run) == [checkpoint_dir_name(step) for step in (1, 2, 3)]
+    held.release()

@@ -262,3 +262,13 @@ def test_a_run_with_credentials_in_its_uris_prints_and_stores_none(ray_session, 
         else:
             assert done.returncode == 0, done.stderr[-2000:]
     assert "s3://***@" in done.stdout  # status names the run's storage
+
+
+def test_a_uri_urlsplit_cannot_parse_is_refused_in_one_line_showing_no_secret(capsys):
+    """A '[' outside an IPv6 host makes urlsplit raise: one line, no part of the credentials."""
+    from raychat import train
+
+    argv = ["--storage-path", "s3://AKIDX:s3cr3t@bucket[x/runs", "--run-name", "r"]
+    line = cli_line(train.main, argv, capsys)
+    assert "not a URI raychat can read" in line and "%5B" in line
+    assert "s3cr3t" not in line and "AKIDX" not in line

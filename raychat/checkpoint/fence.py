@@ -31,6 +31,7 @@ from raychat.storage import Storage
 
 LEASE_DIR = "lease"
 _PREFIX, _SUFFIX = "epoch_", ".json"
+MAX_HEARTBEAT_S = 600.0  # a holder silent for three beats longer than this is not a holder
 
 
 class LeaseLost(RaychatError):
@@ -76,7 +77,10 @@ class LeaseRecord:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, where: str) -> "LeaseRecord":
+    def from_json(cls, data: bytes, where: str, epoch: int | None = None) -> "LeaseRecord":
+        """The record in `data`, or one RaychatError line saying it is damaged. `epoch`: the one its
+        file is named for, which the record must repeat (a record for another epoch, or a negative
+        floor, would disown checkpoints it has nothing to do with)."""
         try:
             raw = json.loads(data)
             if not isinstance(raw, dict):
@@ -84,15 +88,26 @@ class LeaseRecord:
             known = {f.name: f.type for f in fields(cls)}
             kept = {k: v for k, v in raw.items() if k in known}
             wrong = [k for k, v in kept.items() if not _fits(v, known[k])]
-            beat = kept.get("heartbeat_s")
-            if wrong or (beat is not None and not (math.isfinite(beat) and beat > 0)):
-                raise TypeError(f"field {(wrong or ['heartbeat_s'])[0]!r} of the wrong type")
-            return cls(**kept)
+            if wrong:
+                raise TypeError(f"field {wrong[0]!r} of the wrong type")
+            record = cls(**kept)
         except (ValueError, TypeError) as e:
-            # Records are created and replaced whole (never truncated in place): unreadable bytes are
-            # damage, which no retry heals and no guess may treat as "free".
-            raise RaychatError(f"lease record {where} is damaged ({type(e).__name__}): something other than "
-                               "raychat wrote it; check what runs on this run, then remove it") from None
+            raise _damaged(where, f"{type(e).__name__}") from None
+        beat = record.heartbeat_s
+        if beat is not None and not (math.isfinite(beat) and 0 < beat <= MAX_HEARTBEAT_S):
+            raise _damaged(where, f"heartbeat_s {beat}")
+        if record.epoch < 1 or (epoch is not None and record.epoch != epoch):
+            raise _damaged(where, f"epoch {record.epoch}")
+        if record.floor < 0 or (record.resumed is not None and record.resumed < 0) or record.beat < 0:
+            raise _damaged(where, "a negative sequence or beat")
+        return record
+
+
+def _damaged(where: str, what: str) -> RaychatError:
+    # Records are created and replaced whole (never truncated in place): unreadable bytes are
+    # damage, which no retry heals and no guess may treat as "free".
+    return RaychatError(f"lease record {where} is damaged ({what}): something other than raychat wrote "
+                        "it; check what runs on this run, then remove it")
 
 
 def _fits(value: object, annotation: object) -> bool:
@@ -123,7 +138,7 @@ def read_record(run: Storage, epoch: int, log: Callable[[str], None] | None = No
     kwargs = {"log": log} if log is not None else {}
     data = retry_transient(lambda: directory.read_replaceable(epoch_file(epoch)),
                            f"reading {directory.child(epoch_file(epoch))}", **kwargs)
-    return LeaseRecord.from_json(data, str(directory.child(epoch_file(epoch))))
+    return LeaseRecord.from_json(data, str(directory.child(epoch_file(epoch))), epoch=epoch)
 
 
 def records(run: Storage) -> list[LeaseRecord]:

@@ -250,7 +250,9 @@ class _Found:
     step: int
     meta: CheckpointMeta | None = None
     # "missing": no meta.json (a save that died before it, or one in progress); "damaged": a record
-    # that does not parse; "denied": one that may not be read. Only "missing" may be pruned.
+    # that does not parse; "denied": one that may not be read; "unfinished": a save of a rewind
+    # that never saved a whole checkpoint (its record kept: it died before its manifest). Only
+    # "missing" and "unfinished" may be pruned.
     problem: str | None = None
 
 
@@ -280,8 +282,10 @@ def _subdirs(run: Storage) -> list[str]:
 
 
 def highest_sequence(run_dir: Location) -> int:
-    """The highest lineage sequence of any checkpoint of the run with a readable record (0: none)."""
-    found = _Survey(Storage.of(run_dir), log=lambda _: None, strict=False, leases=False).found
+    """The highest lineage sequence of any checkpoint of the run with a readable record (0: none).
+    A record that may not be read stops the caller in one line (CheckpointUnreadable): a lease's
+    floor or a saver's numbering that missed it would later disown the checkpoint."""
+    found = _Survey(Storage.of(run_dir), log=lambda _: None, leases=False).found
     return max((f.meta.sequence for f in found if f.meta is not None), default=0)
 
 
@@ -304,14 +308,22 @@ class _Survey:
                 meta, problem = _read_record(directory, log, strict)
                 self.found.append(_Found(directory, step, meta, problem))
         records = fence.records(run) if leases and any(f.meta for f in self.found) else []
-        self.is_superseded = superseded(records, trained=self._trained_epochs(records))
+        trained = self._trained_epochs(records)
+        self.is_superseded = superseded(records, trained=trained)
+        # A rewind that never saved a whole checkpoint: what its unfinished saves name as their
+        # parent is the checkpoint it rewound to, which must not lead the branch past the run's
+        # newest checkpoint. They are not checkpoints, as a save that died before its record.
+        untrained = {r.epoch for r in records if r.resumed is not None and r.resumed < r.floor} - trained
+        for f in self.found:
+            if f.meta is not None and f.meta.lease_epoch in untrained:
+                f.problem = "unfinished"
 
     @cached_property
     def listed(self) -> list[tuple[Storage, CheckpointMeta]]:
         """The checkpoints that may be chosen, oldest first: by lineage sequence, then (for
         checkpoints without one) by when they were written, then by step."""
         keyed = [((f.meta.sequence, _written_at(f.directory), f.step), f) for f in self.found
-                 if f.meta is not None and not self.is_superseded(f.meta.lease_epoch, f.meta.sequence)]
+                 if f.problem is None and not self.is_superseded(f.meta.lease_epoch, f.meta.sequence)]
         return [(f.directory, f.meta) for _, f in sorted(keyed, key=lambda item: item[0])]
 
     def _trained_epochs(self, records: list[fence.LeaseRecord]) -> set[int]:
@@ -332,7 +344,7 @@ class _Survey:
         """Checkpoints a superseded writer or a trained-past branch left: never chosen, pruned."""
         listed = {d.name for d, _ in self.listed}
         return [f.directory for f in self.found
-                if f.meta is not None and f.directory.name not in listed
+                if f.problem is None and f.directory.name not in listed
                 and self.is_superseded(f.meta.lease_epoch, f.meta.sequence)]
 
     def claimed(self) -> list[Storage]:
@@ -340,7 +352,7 @@ class _Survey:
         one that cannot be read (not a save that died before its record, nor a disowned one)."""
         disowned = {d.name for d in self.superseded()}
         return [f.directory for f in self.found if f.problem in ("damaged", "denied")
-                or (f.meta is not None and f.directory.name not in disowned)]
+                or (f.problem is None and f.directory.name not in disowned)]
 
     def walk(self) -> tuple[list[Storage], int | None]:
         """(the branch newest first, the step of the pruned parent it stops at or None)."""
@@ -416,15 +428,17 @@ def latest_valid_checkpoint(run_dir: Location, step: int | None = None, deep: bo
 
 
 def prune_checkpoints(run_dir: Location, keep: int, log: Callable[[str], None] = _warn,
-                      protect: Collection[str] = ()) -> list[str]:
+                      protect: Collection[str] = (), fence: Fence | None = None) -> list[str]:
     """Keep the `keep` newest complete checkpoints of the current branch and delete what is older
     than them: the branch's older checkpoints, what lies below the pruned parent the branch stops
     at, and saves that died before their record (at a step below the newest whole checkpoint's).
     Also what a superseded writer left and a branch the run has trained past. Never the checkpoints
     named in `protect` (the saver's: what it just wrote, what the run resumed from), never one whose
     record cannot be read. A checkpoint that cannot be deleted or read for good (access denied) is
-    left with a line rather than failing the save it follows. Returns the names deleted, oldest
-    first. keep <= 0 keeps everything."""
+    left with a line rather than failing the save it follows. With `fence`, the writer's lease is
+    checked again before each deletion (LeaseLost once a newer epoch exists): a writer superseded
+    while it pruned never deletes what its successor resumed from or is writing. Returns the names
+    deleted, oldest first. keep <= 0 keeps everything."""
     if keep <= 0:
         return []
     survey = _Survey(Storage.of(run_dir), log, strict=False)
@@ -441,12 +455,15 @@ def prune_checkpoints(run_dir: Location, keep: int, log: Callable[[str], None] =
         # A save that died before its record (a killed rank 0, a lost node) left its ranks' files:
         # below the newest whole checkpoint's step no save of this writer is in progress.
         newest = _step_of(complete[-1].name)
-        doomed += [f.directory for f in survey.found if f.problem == "missing" and f.step < newest]
+        doomed += [f.directory for f in survey.found
+                   if f.problem in ("missing", "unfinished") and f.step < newest]
     doomed += survey.superseded()
     deleted = []
     for candidate in doomed:
         if candidate.name in protect:
             continue
+        if fence is not None:
+            fence.check()
         try:
             retry_transient(candidate.delete, f"deleting {candidate}")
             deleted.append(candidate.name)

@@ -217,7 +217,7 @@ class CheckpointSaver:
                 finish_checkpoint(directory, world, token, meta_bytes, fence=self.fence)
                 self.fence.check()  # nor deletes one
                 protect = {directory.name, self.resumed_from}
-                prune_checkpoints(self.run, self.keep, log=self.log, protect=protect)
+                prune_checkpoints(self.run, self.keep, log=self.log, protect=protect, fence=self.fence)
         else:
             def write(snapshot: list[Piece]) -> None:
                 write_rank(directory, rank, world, token, snapshot, fence=self.fence)

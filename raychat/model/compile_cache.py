@@ -17,6 +17,12 @@ graph), so an entry built for another machine is never used, only missed; the ar
 a key over what the graphs depend on (`cache_key`), so one run on two kinds of node keeps two.
 An archive that does not load is ignored in one line: the worker compiles as it would have without
 one. Nothing here can fail a run.
+
+The archive is code the workers run (kernels, and graphs inductor unpickles): whoever may write the
+run's storage may run code on its workers through it. So it is read with limits (its size, each
+member's, no links, nothing outside the cache), it is unpacked into a cache directory of this run's
+own (`use_run_cache_dir`: one run's archive never reaches another run's compiles on a shared node),
+and `--no-compile-cache` leaves it out for a run whose storage others may write.
 """
 
 import dataclasses
@@ -37,6 +43,18 @@ from raychat.storage import Storage
 CACHE_DIR = "compile_cache"
 COMPILE_OPTIONS = {"dynamic": False}  # what raychat passes to torch.compile (raychat.run.worker_setup)
 MAX_ARCHIVE_BYTES = 2 << 30  # a cache this large is not worth a restart's download
+MAX_UNPACKED_BYTES = 4 * MAX_ARCHIVE_BYTES  # what its members may add up to (a gzip bomb is refused)
+
+
+def use_run_cache_dir(run: Storage) -> None:
+    """Point inductor at a cache directory of this run's own (below its default one), unless the
+    user chose one ($TORCHINDUCTOR_CACHE_DIR). Called before anything compiles in the process:
+    inductor fixes its directory in that variable at its first use."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # no public name for it
+
+        run_id = hashlib.sha256(str(run).encode()).hexdigest()[:16]
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"raychat-{run_id}")
 
 
 def local_cache_dir() -> Path:
@@ -83,7 +101,10 @@ def _unpack(data: bytes, root: Path) -> set[str]:
     (tarfile's "data" filter): the archive is read from storage that others can write."""
     names = set()
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        for member in tar.getmembers():
+        members = tar.getmembers()
+        if sum(m.size for m in members) > MAX_UNPACKED_BYTES:
+            raise ValueError(f"it unpacks to more than {MAX_UNPACKED_BYTES / 1e9:.0f} GB")
+        for member in members:
             member = tarfile.data_filter(member, str(root))  # raises on links, absolute or ../ names
             target = root / member.name
             if not member.isfile():
@@ -114,6 +135,12 @@ class CompileCache:
         was an archive) if there is none or it does not load."""
         where = self.directory.child(self.name)
         try:
+            size = retry_transient(lambda: self.directory.info(self.name).size, f"reading {where}",
+                                   budget_s=30)
+            if size is None:
+                return False  # no archive yet
+            if size > MAX_ARCHIVE_BYTES:
+                raise ValueError(f"{size / 1e9:.1f} GB, more than a restart's compile is worth")
             data = retry_transient(lambda: self.directory.read_bytes(self.name), f"reading {where}",
                                    budget_s=30)
         except FileNotFoundError:

@@ -476,7 +476,11 @@ def hold_run(run: PreparedRun, log: Log = print) -> RunLease:
             run.resume_from, run.resume_meta = now or (None, None)
             if run.resume_from is not None:
                 run.init_weights = None
-        lease.record_resume(run.resume_meta.sequence if run.resume_meta is not None else 0)
+        # Only a rewind the user asked for may disown checkpoints above it. A fallback from damaged
+        # newer checkpoints (a restore still copying them) resumes below them without a rewind: they
+        # stay, off the branch, never pruned, for --resume-from-step once whole.
+        rewound = run.cfg.resume_from_step >= 0 and run.resume_meta is not None
+        lease.record_resume(run.resume_meta.sequence if rewound else lease.record.floor)
     except BaseException:
         lease.release()
         raise

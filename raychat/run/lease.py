@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from raychat.checkpoint import fence
-from raychat.checkpoint.fence import LeaseLost, LeaseRecord
+from raychat.checkpoint.fence import MAX_HEARTBEAT_S, LeaseLost, LeaseRecord
 from raychat.common import RaychatError
 from raychat.faults import StorageUnavailable, retry_budget_s, retry_transient, short_reason
 from raychat.storage import Storage
@@ -68,9 +68,10 @@ def heartbeat_from_env() -> float:
         beat = float(value)
     except ValueError:
         beat = math.nan
-    if not (math.isfinite(beat) and beat >= MIN_HEARTBEAT_S):
-        raise RaychatError(f"RAYCHAT_LEASE_HEARTBEAT_S={value!r} is not a heartbeat: set it to a number of "
-                           f"seconds of at least {MIN_HEARTBEAT_S:g} (default {HEARTBEAT_S:g}), or unset it")
+    if not (math.isfinite(beat) and MIN_HEARTBEAT_S <= beat <= MAX_HEARTBEAT_S):
+        raise RaychatError(f"RAYCHAT_LEASE_HEARTBEAT_S={value!r} is not a heartbeat: set it to a number "
+                           f"of seconds from {MIN_HEARTBEAT_S:g} to {MAX_HEARTBEAT_S:g} (default "
+                           f"{HEARTBEAT_S:g}), or unset it")
     return beat
 
 
@@ -141,7 +142,8 @@ class RunLease:
         its epoch's record for the driver that may take the run over from it (`taken_over`).
         `heartbeat_s`: this driver's beat (tests give short ones; a driver reads
         $RAYCHAT_LEASE_HEARTBEAT_S, refused below MIN_HEARTBEAT_S)."""
-        if heartbeat_s is not None and not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
+        beat_ok = heartbeat_s is None or (math.isfinite(heartbeat_s) and 0 < heartbeat_s <= MAX_HEARTBEAT_S)
+        if not beat_ok:
             raise ValueError(f"heartbeat_s={heartbeat_s!r}: a positive number of seconds")
         self.run_dir = run_dir
         self.coordinator = coordinator

@@ -33,7 +33,7 @@ from raychat.config import TrainConfig
 from raychat.corpus.index import CorpusIndex, CorpusRecord, confirm_identity, corpus_record
 from raychat.data.loader import TrainLoader
 from raychat.memory import fit_plan_to_device
-from raychat.model.compile_cache import CompileCache, cache_key
+from raychat.model.compile_cache import CompileCache, cache_key, use_run_cache_dir
 from raychat.model.compile_check import probe_compile, uses_compile
 from raychat.model.flops import peak_flops
 from raychat.model.gpt import build_model
@@ -318,13 +318,15 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     me = _this_rank()
     nccl = NcclReport.watch(me.device.type, me.world_size, me.local_world_size, me.rank)  # before collectives
     use_compile = uses_compile(cfg.compile, me.device)
+    run = Storage(cfg.storage_path).child(cfg.name)
+    if use_compile and not cfg.no_compile_cache:
+        use_run_cache_dir(run)  # before the probe compiles: inductor fixes its directory at first use
     if use_compile and not config.compile_checked:
         probe_compile(me.device)  # one line instead of a traceback at the first forward
     where = f"rank {me.rank} ({ray.util.get_node_ip_address()})"
     tokenizer = _the_drivers_tokenizer(cfg.tokenizer_dir, config.tokenizer_fingerprint, where)
     plan = config.plan.at_world_size(me.world_size)  # the driver's, dealt to this group
     plan = _fit_to_device(plan, cfg, me, use_compile)
-    run = Storage(cfg.storage_path).child(cfg.name)
     # A group Ray restarted after its driver lost the run's lease ends here, before it reads or
     # writes anything; rank 0 looks and every rank follows (raychat.checkpoint.fence).
     fence = Fence(run, config.lease_epoch)
@@ -364,7 +366,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     done("start_loader")
 
     compile_cache = None
-    if use_compile:  # inductor's cache filled from the run's before anything compiles (a new node's is empty)
+    if use_compile and not cfg.no_compile_cache:  # filled from the run's before anything compiles
         precision_name = resolve_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, me.device).name
         key = cache_key(plan.model, me.device, precision_name)
         compile_cache = CompileCache(run, key, me.log if me.rank == 0 else lambda _: None)
