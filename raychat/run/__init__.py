@@ -16,6 +16,8 @@
     holders        the actors that keep those replicas, one per node
     metrics        the log line, and the publisher that fans records out to its sinks
     metrics_log    the run's metrics.jsonl, and the timeline read from it
+    append_writer  the metrics log's writes off the training thread (a bucket: a new part each time)
+    nccl_transport which link NCCL chose between nodes, said once at start
     ledger         where the run's time went (goodput)
     console        the driver's console
     quiet          Ray's chatter silenced
