@@ -12,7 +12,7 @@ import tarfile
 import pytest
 
 from raychat.model import compile_cache
-from raychat.model.compile_cache import CACHE_DIR, CompileCache
+from raychat.model.compile_cache import CACHE_DIR, CompileCache, use_run_cache_dir
 from raychat.storage import Storage
 
 # One compiled forward and backward of a tiny GPT, as a worker runs it: the run's cache loaded
@@ -94,3 +94,25 @@ def test_an_archive_past_the_limits_is_not_unpacked(tmp_path, monkeypatch):
     monkeypatch.setattr(compile_cache, "MAX_ARCHIVE_BYTES", len(bomb) - 1)
     assert CompileCache(run, "key", said.append).load() is False
     assert "more than a restart's compile is worth" in said[-1] and len(said) == 2
+
+
+def test_each_run_compiles_into_a_cache_directory_of_its_own(tmp_path, monkeypatch):
+    """Unset, or holding inductor's default (which the driver's compile probe writes there and a local
+    Ray's workers inherit), the variable is pointed at the run's own directory: one run's archive
+    never reaches another run's compiles. A directory the user chose is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = os.path.abspath(default_cache_dir())
+    a, b = Storage(str(tmp_path / "a")), Storage(str(tmp_path / "b"))
+    seen = []
+    for before, run in ((None, a), (default, a), (None, b)):
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        use_run_cache_dir(run)
+        seen.append(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    assert seen[0] == seen[1] != seen[2] and all(s.startswith(default + os.sep + "raychat-") for s in seen)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    use_run_cache_dir(a)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

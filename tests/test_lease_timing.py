@@ -169,7 +169,7 @@ def test_a_create_whose_answer_was_lost_is_the_drivers_own(s3_endpoint):
                                   b'{"epoch": 1, "holder": "h", "host": "h", "pid": 1, "started": "s", '
                                   b'"floor": -7}',
                                   b'{"epoch": 1, "holder": "h", "host": "h", "pid": 1, "started": "s", '
-                                  b'"floor": 0, "heartbeat_s": 1e300}'])
+                                  b'"floor": 0, "heartbeat_s": -1}'])
 def test_a_record_of_the_wrong_shape_is_damage_in_one_line(tmp_path, data):
     run = Storage(str(tmp_path / "run"))
     fence.lease_dir(run).make_dir()
@@ -178,6 +178,19 @@ def test_a_record_of_the_wrong_shape_is_damage_in_one_line(tmp_path, data):
         RunLease(run, heartbeat_s=0.05).acquire(floor=lambda: 0, log=QUIET)
     assert "\n" not in str(refused.value)
     assert fence.epochs(run) == [1]
+
+
+def test_an_older_raychats_long_beat_is_read_and_watched_for_at_most_the_longest_beat(tmp_path):
+    """An older raychat took any heartbeat: its record (3600 s here) is no damage, and a newcomer
+    watches it for at most three of the longest beats raychat takes now."""
+    run = Storage(str(tmp_path / "run"))
+    fence.lease_dir(run).make_dir()
+    old = (b'{"epoch": 1, "holder": "h", "host": "h", "pid": 1, "started": "s", "floor": 0, '
+           b'"heartbeat_s": 3600}')
+    fence.lease_dir(run).write_bytes(fence.epoch_file(1), old)
+    record = fence.read_record(run, 1)
+    assert record.heartbeat_s == fence.MAX_HEARTBEAT_S
+    assert takeover_wait_s(record) == 3 * fence.MAX_HEARTBEAT_S
 
 
 # ------------------------------------------------------------------------------------------------

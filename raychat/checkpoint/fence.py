@@ -94,8 +94,10 @@ class LeaseRecord:
         except (ValueError, TypeError) as e:
             raise _damaged(where, f"{type(e).__name__}") from None
         beat = record.heartbeat_s
-        if beat is not None and not (math.isfinite(beat) and 0 < beat <= MAX_HEARTBEAT_S):
+        if beat is not None and not (math.isfinite(beat) and beat > 0):
             raise _damaged(where, f"heartbeat_s {beat}")
+        if beat is not None and beat > MAX_HEARTBEAT_S:  # an older raychat took any beat: watched for
+            record.heartbeat_s = MAX_HEARTBEAT_S         # at most the longest one it takes now
         if record.epoch < 1 or (epoch is not None and record.epoch != epoch):
             raise _damaged(where, f"epoch {record.epoch}")
         if record.floor < 0 or (record.resumed is not None and record.resumed < 0) or record.beat < 0:
@@ -107,7 +109,8 @@ def _damaged(where: str, what: str) -> RaychatError:
     # Records are created and replaced whole (never truncated in place): unreadable bytes are
     # damage, which no retry heals and no guess may treat as "free".
     return RaychatError(f"lease record {where} is damaged ({what}): something other than raychat wrote "
-                        "it; check what runs on this run, then remove it")
+                        "it; check what runs on this run, then restore the record from a backup (removing "
+                        "one lets checkpoints it disowns be chosen again), or train under a new --run-name")
 
 
 def _fits(value: object, annotation: object) -> bool:

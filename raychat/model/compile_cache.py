@@ -48,13 +48,16 @@ MAX_UNPACKED_BYTES = 4 * MAX_ARCHIVE_BYTES  # what its members may add up to (a 
 
 def use_run_cache_dir(run: Storage) -> None:
     """Point inductor at a cache directory of this run's own (below its default one), unless the
-    user chose one ($TORCHINDUCTOR_CACHE_DIR). Called before anything compiles in the process:
-    inductor fixes its directory in that variable at its first use."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # no public name for it
+    user chose another ($TORCHINDUCTOR_CACHE_DIR). Inductor writes its default into that variable
+    at its first use, so the default found there (the driver's compile probe, inherited through a
+    local Ray; an earlier compile in this process) is no user's choice."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # no public name for it
 
+    default = os.path.abspath(default_cache_dir())
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == default:
         run_id = hashlib.sha256(str(run).encode()).hexdigest()[:16]
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"raychat-{run_id}")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default, f"raychat-{run_id}")
 
 
 def local_cache_dir() -> Path:

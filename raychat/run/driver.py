@@ -478,7 +478,7 @@ def hold_run(run: PreparedRun, log: Log = print) -> RunLease:
                 run.init_weights = None
         # Only a rewind the user asked for may disown checkpoints above it. A fallback from damaged
         # newer checkpoints (a restore still copying them) resumes below them without a rewind: they
-        # stay, off the branch, never pruned, for --resume-from-step once whole.
+        # stay off the branch, for --resume-from-step once whole, until the branch's prunes pass them.
         rewound = run.cfg.resume_from_step >= 0 and run.resume_meta is not None
         lease.record_resume(run.resume_meta.sequence if rewound else lease.record.floor)
     except BaseException:
