@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raychat.checkpoint.format import damage, latest_valid_checkpoint, list_checkpoints, read_meta
+from raychat.checkpoint.format import damage, latest_valid_checkpoint, list_checkpoints, read_meta, step_of
 from raychat.checkpoint.reader import load_checkpoint
 from raychat.storage import Storage
 
@@ -127,7 +127,7 @@ class CheckpointWatch:
         self.went_back: list[str] = []
 
     def whole_steps(self) -> set[int]:
-        return {int(c.name.rsplit("_", 1)[1]) for c in list_checkpoints(self.run_dir)
+        return {step_of(c.name) for c in list_checkpoints(self.run_dir)
                 if damage(c, deep=False) is None}
 
     def poll(self) -> None:
@@ -173,7 +173,7 @@ def lineage_problems(run_dir: Storage) -> list[str]:
     if len(set(sequences)) != len(sequences) or sequences != sorted(sequences):
         problems.append(f"checkpoint sequences out of order: {[(n, m.sequence) for n, m in metas]}")
     for name, meta in metas:
-        if meta.parent is not None and int(meta.parent.rsplit("_", 1)[1]) >= meta.step:
+        if meta.parent is not None and step_of(meta.parent) >= meta.step:
             problems.append(f"{name} names {meta.parent} as its parent, not an earlier step")
     return problems
 

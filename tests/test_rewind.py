@@ -20,6 +20,7 @@ from raychat.checkpoint.format import (
     checkpoint_dir_name,
     highest_sequence,
     latest_valid_checkpoint,
+    lineage_suffix,
     list_checkpoints,
     prune_checkpoints,
     read_meta,
@@ -74,6 +75,7 @@ def test_a_rewind_that_stopped_before_training_hides_and_deletes_nothing(ray_ses
     assert rewinding.resume_from.name == "checkpoint_000016"
     lease = hold_run(rewinding, log=QUIET)
     lease.release()
+    assert rewinding.checkpoint_suffix == f"-e{lease.epoch}"  # its saves would never write over 20
 
     assert latest_valid_checkpoint(run, log=QUIET).name == "checkpoint_000020"
     assert driver_choice(run, 20, log=QUIET).name == "checkpoint_000020"
@@ -88,7 +90,7 @@ def test_a_rewind_that_stopped_before_training_hides_and_deletes_nothing(ray_ses
     assert falling_back.resume_from.name == "checkpoint_000016"
     lease = hold_run(falling_back, log=QUIET)
     lease.release()
-    assert lease.record.resumed == lease.record.floor
+    assert lease.record.resumed == lease.record.floor and falling_back.checkpoint_suffix == f"-e{lease.epoch}"
     twenty.write_bytes(rank0, whole)
 
     rerun = run_train(ray_session, [*flags, "--num-iterations", "24"])
@@ -228,3 +230,26 @@ def test_a_writer_superseded_while_it_prunes_deletes_nothing_more(tmp_path):
         prune_checkpoints(run, keep=1, log=QUIET, fence=Fence(run, held.epoch))
     assert _names(run) == [checkpoint_dir_name(step) for step in (1, 2, 3)]
     held.release()
+
+
+def test_a_rewinds_save_at_a_step_the_run_has_never_writes_over_that_checkpoint(tmp_path):
+    """Saves 10..50; a driver rewinds to 20 and its first save, at 30, dies before its manifest. The
+    rewound run saves under names of its own lineage, so the branch's whole checkpoint_000030 is
+    untouched: the next driver resumes from 50 and `--resume-from-step 30` still finds it."""
+    run = Storage(str(tmp_path / "run"))
+    first, saver = _held(run, None)
+    for step in (10, 20, 30, 40, 50):
+        _save(saver, step)
+    saver.close()
+    first.release()
+    thirty = all_files(run.child(checkpoint_dir_name(30)))
+    rewinding, saver = _held(run, checkpoint_dir_name(20), keep=0)  # (no prune: it "dies" after the save)
+    saver.suffix = lineage_suffix(rewinding.epoch)  # what its driver hands the workers (hold_run)
+    _save(saver, 30)
+    saver.close()
+    ours = run.child(checkpoint_dir_name(30, lineage_suffix(rewinding.epoch)))
+    ours.delete(MANIFEST_FILE)  # it died before its manifest
+    rewinding.release()
+    assert all_files(run.child(checkpoint_dir_name(30))) == thirty
+    assert latest_valid_checkpoint(run, log=QUIET).name == "checkpoint_000050"
+    assert driver_choice(run, 30, log=QUIET).name == "checkpoint_000030"

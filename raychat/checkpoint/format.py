@@ -1,6 +1,8 @@
 """Checkpoint directories: complete or visibly not, found and pruned the same way by everyone.
 
-A checkpoint is a directory `<storage>/<run>/checkpoint_<step:06d>/` on local disk or in a bucket:
+A checkpoint is a directory `<storage>/<run>/checkpoint_<step:06d>/` on local disk or in a bucket
+(`checkpoint_<step:06d>-e<epoch>/` when its run resumed below the run's newest checkpoint: a rewind's
+saves never write into the branch it left):
 
     rank_<r>-of-<W>.safetensors   what rank r of the W that saved owns (raychat.checkpoint.sharded)
     index.json                    every logical tensor: dtype, shape, which file holds which range
@@ -31,6 +33,7 @@ ties between checkpoints without a sequence, written before raychat kept one.
 
 import hashlib
 import json
+import re
 import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -63,8 +66,15 @@ class CheckpointUnreadable(RaychatError):
     no guess may order the checkpoint around it."""
 
 
-def checkpoint_dir_name(step: int) -> str:
-    return f"{CHECKPOINT_PREFIX}{step:06d}"
+def checkpoint_dir_name(step: int, suffix: str = "") -> str:
+    """`checkpoint_<step>`, or with `suffix` (`-e<epoch>`): the name a run that resumed below the
+    run's newest checkpoint (a rewind, a fallback from damage) saves under, so that its saves never
+    write into a checkpoint of the branch it left, whole or still being restored."""
+    return f"{CHECKPOINT_PREFIX}{step:06d}{suffix}"
+
+
+def lineage_suffix(epoch: int) -> str:
+    return f"-e{epoch}"
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -228,9 +238,13 @@ def _warn(message: str) -> None:
     print(f"raychat: warning: {message}", file=sys.stderr, flush=True)
 
 
-def _step_of(name: str) -> int | None:
-    digits = name[len(CHECKPOINT_PREFIX):]
-    return int(digits) if name.startswith(CHECKPOINT_PREFIX) and digits.isdigit() else None
+_NAME = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)(?:-e\d+)?")
+
+
+def step_of(name: str) -> int | None:
+    """The step in a checkpoint directory's name (None: not one)."""
+    match = _NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 def _written_at(directory: Storage) -> int:
@@ -302,7 +316,7 @@ class _Survey:
         self.run, self.log = run, log
         self.found: list[_Found] = []
         for name in _subdirs(run):
-            step = _step_of(name)
+            step = step_of(name)
             if step is not None:
                 directory = run.child(name)
                 meta, problem = _read_record(directory, log, strict)
@@ -368,14 +382,14 @@ class _Survey:
             directory, meta = listed[position]
             chain.append(directory)
             parent = meta.parent if isinstance(meta.parent, str) else None
-            below = _step_of(parent) if parent is not None else None
+            below = step_of(parent) if parent is not None else None
             if parent in by_name:
                 position = by_name[parent]
             elif parent in present and below is not None:
                 # A parent whose record cannot be read: its ancestors lie at lower steps (the step is
                 # in the name), so the chain goes on with the newest listed checkpoint below it; a
                 # newer one could be an abandoned branch that no lease marked (a run from before leases).
-                older = [i for i in range(position) if _step_of(listed[i][0].name) < below]
+                older = [i for i in range(position) if step_of(listed[i][0].name) < below]
                 position = older[-1] if older else None
             elif parent is None and meta.sequence == 0:  # before raychat kept a lineage: list order
                 position = position - 1 if position > 0 else None
@@ -416,7 +430,7 @@ def latest_valid_checkpoint(run_dir: Location, step: int | None = None, deep: bo
     is considered. deep=False trusts sizes, not hashes.
     """
     if step is not None:
-        considered = [c for c in reversed(list_checkpoints(run_dir, log)) if _step_of(c.name) == step]
+        considered = [c for c in reversed(list_checkpoints(run_dir, log)) if step_of(c.name) == step]
     else:
         considered = branch(run_dir, log)
     for candidate in considered:
@@ -450,11 +464,11 @@ def prune_checkpoints(run_dir: Location, keep: int, log: Callable[[str], None] =
         # Below a pruned parent: what an earlier attempt's saver kept (the checkpoint it resumed
         # from is never its to prune) after pruning its children, so the branch no longer reaches
         # it. Older than every checkpoint of the branch: deleted, never chosen.
-        doomed += [d for d, _ in survey.listed if d not in chain and _step_of(d.name) < gap]
+        doomed += [d for d, _ in survey.listed if d not in chain and step_of(d.name) < gap]
     if complete:
         # A save that died before its record (a killed rank 0, a lost node) left its ranks' files:
         # below the newest whole checkpoint's step no save of this writer is in progress.
-        newest = _step_of(complete[-1].name)
+        newest = step_of(complete[-1].name)
         doomed += [f.directory for f in survey.found
                    if f.problem in ("missing", "unfinished") and f.step < newest]
     doomed += survey.superseded()

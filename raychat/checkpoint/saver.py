@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from raychat.checkpoint.fence import Fence, LeaseLost
-from raychat.checkpoint.format import checkpoint_dir_name, highest_sequence, prune_checkpoints
+from raychat.checkpoint.format import checkpoint_dir_name, highest_sequence, prune_checkpoints, step_of
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.sharded import Piece, finish_checkpoint, prepare_overwrite, write_rank
 from raychat.common import RaychatError
@@ -152,7 +152,7 @@ class CheckpointSaver:
 
     def __init__(self, run: Storage, keep: int, rank: int, world_size: int, log: Callable[[str], None],
                  parent: CheckpointMeta | None = None, parent_name: str | None = None,
-                 fence: Fence | None = None):
+                 fence: Fence | None = None, suffix: str = ""):
         self.run, self.keep, self.rank, self.world_size, self.log = run, keep, rank, world_size, log
         # The run lease's fencing token: rank 0 checks it before a checkpoint's first shared file
         # and before every prune, and stamps it into each meta (raychat.checkpoint.fence).
@@ -160,6 +160,10 @@ class CheckpointSaver:
         self.writer = AsyncCheckpointWriter()
         self._pending_step: int | None = None
         self.latest_step: int | None = None  # the newest checkpoint known to be whole (this rank's part)
+        self.latest_name: str | None = None  # and its directory's name
+        # The run's driver resumed below its newest checkpoint (raychat.checkpoint.format.lineage_suffix):
+        # every rank saves under names of this lineage's own.
+        self.suffix = suffix
         self.parent_name = parent_name
         self.resumed_from = parent_name  # never pruned by this saver
         self.submitted_step: int | None = None  # the step of the last save() (one checkpoint per step)
@@ -182,7 +186,8 @@ class CheckpointSaver:
         """This step is checkpointed already: by this saver, or it is the checkpoint the run resumed
         from (an attempt restarted after its final save). A checkpoint directory with a manifest is
         never written again: a second fault while it was rewritten would leave none."""
-        return step == self.submitted_step or checkpoint_dir_name(step) == self.resumed_from
+        resumed_step = step_of(self.resumed_from) if self.resumed_from is not None else None
+        return step == self.submitted_step or step == resumed_step
 
     def prepare(self, step: int) -> None:
         """Rank 0, before the save's collective: a directory saved before at this step (a rerun)
@@ -191,7 +196,7 @@ class CheckpointSaver:
             self.poll(block=True)
             if self.lost is None:
                 try:
-                    prepare_overwrite(self.run.child(checkpoint_dir_name(step)), self.fence)
+                    prepare_overwrite(self.run.child(checkpoint_dir_name(step, self.suffix)), self.fence)
                 except LeaseLost as e:
                     self.lost = str(e)
 
@@ -202,7 +207,7 @@ class CheckpointSaver:
         self.poll(block=True)  # one save in flight: the previous one must be whole first
         if self.lost is not None:
             raise LeaseLost(self.lost)
-        directory = self.run.child(checkpoint_dir_name(step))
+        directory = self.run.child(checkpoint_dir_name(step, self.suffix))
         rank, world = self.rank, self.world_size
         if rank == 0:
             self.sequence += 1
@@ -240,7 +245,7 @@ class CheckpointSaver:
             self._pending_step, self.lost = None, str(e)
             return None
         step, self._pending_step = self._pending_step, None
-        self.latest_step = step
+        self.latest_step, self.latest_name = step, directory.name
         if self.rank == 0:
             self.log(f"Checkpoint {directory.name} saved to {self.run} by {self.world_size} rank(s): "
                      f"training stalled {self.writer.snapshot_seconds * 1000:.0f}ms, written in "

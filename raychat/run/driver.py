@@ -29,7 +29,7 @@ from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, Result, Ru
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 
-from raychat.checkpoint.format import highest_sequence, latest_valid_checkpoint, read_meta
+from raychat.checkpoint.format import highest_sequence, latest_valid_checkpoint, lineage_suffix, read_meta
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.nanochat import NanochatCheckpoint, load_nanochat_checkpoint
 from raychat.checkpoint.resume import driver_choice
@@ -109,6 +109,7 @@ class PreparedRun:
     compile_checked: bool = False  # torch.compile already probed on the workers' device type
     session: str = field(default_factory=lambda: uuid.uuid4().hex)  # this driver's run, new each time
     lease_epoch: int = 0  # the run lease's epoch this driver holds (set by `hold_run`): the workers' fence
+    checkpoint_suffix: str = ""  # set by `hold_run` when the run resumes below its newest checkpoint
     fitting: bool = False  # trainer.fit() is running (the lease may interrupt it)
     launched: float = field(default_factory=time.time)  # when prepare_run began: the run's start-up from here
     result: Result | None = None  # Ray Train's, once fit: its `checkpoint` is the run's newest
@@ -391,7 +392,7 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
         tokenizer_fingerprint=run.tokenizer.fingerprint, session=run.session, lease_epoch=run.lease_epoch,
         launched=run.launched, resume_from=run.resume_from.name if run.resume_from is not None else None,
         init_weights=ray.put(run.init_weights.state) if run.init_weights is not None else None,
-        compile_checked=run.compile_checked)
+        compile_checked=run.compile_checked, checkpoint_suffix=run.checkpoint_suffix)
     return RaychatTrainer(
         train_loop_per_worker,
         train_loop_config=worker_config.to_dict(),
@@ -481,6 +482,10 @@ def hold_run(run: PreparedRun, log: Log = print) -> RunLease:
         # stay off the branch, for --resume-from-step once whole, until the branch's prunes pass them.
         rewound = run.cfg.resume_from_step >= 0 and run.resume_meta is not None
         lease.record_resume(run.resume_meta.sequence if rewound else lease.record.floor)
+        if run.resume_meta is not None and run.resume_meta.sequence < lease.record.floor:
+            # Below the newest checkpoint: this run's saves reach steps the run has checkpoints at
+            # (the branch it rewound from, one still being restored), which are never written over.
+            run.checkpoint_suffix = lineage_suffix(lease.epoch)
     except BaseException:
         lease.release()
         raise

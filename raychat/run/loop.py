@@ -28,7 +28,6 @@ import torch
 
 import raychat
 from raychat.checkpoint.fence import Fence, LeaseLost
-from raychat.checkpoint.format import checkpoint_dir_name
 from raychat.checkpoint.meta import CheckpointMeta, Totals
 from raychat.checkpoint.stop_note import StopNote, read_stop_note, write_stop_note
 from raychat.common import RaychatError
@@ -284,7 +283,7 @@ def newest_checkpoint(w: Worker) -> Storage | None:
     """Rank 0: the run's newest whole checkpoint (this attempt's last finished save, else the one it
     resumed from), what Ray Train's Result names and a rerun resumes from."""
     saver = w.saver
-    name = checkpoint_dir_name(saver.latest_step) if saver.latest_step is not None else saver.resumed_from
+    name = saver.latest_name or saver.resumed_from
     return saver.run.child(name) if name else None
 
 

@@ -72,6 +72,7 @@ class WorkerRunConfig(Record):
     resume_from: str | None  # the checkpoint the driver chose
     init_weights: ray.ObjectRef | None  # nanochat's state, through the object store: no file on the workers
     compile_checked: bool  # torch.compile already probed on the workers' device type
+    checkpoint_suffix: str = ""  # the names this run saves under (raychat.checkpoint.format.lineage_suffix)
 
 
 @dataclass
@@ -423,7 +424,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
         model=model, optimizer=optimizer, storage_path=cfg.storage_path, session=config.session,
         corpus_meta=corpus_record(index),
         saver=CheckpointSaver(run, cfg.keep_checkpoints, me.rank, me.world_size, me.log, parent=restore.meta,
-                              parent_name=resumed_from, fence=fence),
+                              parent_name=resumed_from, fence=fence, suffix=config.checkpoint_suffix),
         micro_slices=slices, peak_flops=peak, trace_dir=trace_dir,
         wandb=WandbLogger(cfg.run, config=cfg.to_public_dict(), run_dir=run) if master else None,
         attempt=me.gather(f"{time.time():.3f}")[0] if trace_dir else "", replicator=replicator,
