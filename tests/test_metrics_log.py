@@ -14,6 +14,7 @@ from bench.s3_fault_proxy import S3FaultProxy
 from raychat import faults
 from raychat.checkpoint.fence import Fence, LeaseRecord, create_record
 from raychat.run import metrics_log
+from raychat.run.append_writer import BackgroundWriter
 from raychat.run.metrics import Publisher
 from raychat.run.metrics_log import (
     METRICS_FILE,
@@ -359,3 +360,51 @@ def test_a_failing_bucket_is_retried_then_said_once_and_nothing_is_lost(s3_endpo
         assert log.flush(wait_s=60) and log.held_back() == []
     records = parse_records(read_log(Storage(s3_uri(s3_endpoint, prefix)).child("r")))
     assert [r["kind"] for r in records] == ["start", "step", "step", "step", "eval"]
+
+
+class _SlowStderr:
+    """A stderr that takes its time (a loaded terminal, a pipe being drained) or is gone (`broken`)."""
+
+    def __init__(self, broken: bool = False):
+        self.text, self.broken = "", broken
+
+    def write(self, text: str) -> int:
+        if self.broken:
+            raise OSError(9, "Bad file descriptor")
+        time.sleep(0.3)
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        if self.broken:
+            raise OSError(9, "Bad file descriptor")
+
+
+def test_a_failed_write_is_said_before_a_waiter_hears_of_it_and_a_broken_stderr_ends_nothing(monkeypatch):
+    """A caller that waited for a flush and heard it failed finds the writer's line already said (CI
+    once read the output in that window and found nothing); a stderr that is gone (a detached job)
+    costs the line, never the thread: the next flush still writes."""
+    written: list[list[str]] = []
+    failing = [True]
+
+    def write(lines: list[str]) -> None:
+        if failing[0]:
+            raise OSError("disk unavailable")
+        written.append(lines)
+
+    stderr = _SlowStderr()
+    monkeypatch.setattr("sys.stderr", stderr)
+    writer = BackgroundWriter(write, "the log", max_lines=10)
+    try:
+        writer.add("a", flush=True)
+        assert not writer.wait(10)
+        assert "cannot write the log (disk unavailable)" in stderr.text
+        monkeypatch.setattr("sys.stderr", _SlowStderr(broken=True))
+        writer.add("b", flush=True)
+        assert not writer.wait(10)
+        failing[0] = False
+        writer.add("c", flush=True)
+        assert writer.wait(10)
+        assert written == [["a", "b", "c"]]
+    finally:
+        writer.stop()

@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from urllib.parse import urlsplit
 
 from raychat.faults import is_missing
@@ -31,7 +32,9 @@ READERS = 16  # parts read at once: a log of a long run is many small objects
 
 
 def _say(line: str) -> None:
-    print(f"raychat: {line}", file=sys.stderr, flush=True)
+    # A closed or broken stderr (a detached job, a pipe whose reader left) must not end the thread.
+    with suppress(OSError, ValueError):
+        print(f"raychat: {line}", file=sys.stderr, flush=True)
 
 
 class BackgroundWriter:
@@ -125,13 +128,16 @@ class BackgroundWriter:
                         self._front = end
                     self._failing = self._dropping = False
                 held = len(self._lines)
-                self._tried, self._failed = asked, error is not None
                 say = error is not None and not self._failing
                 self._failing = self._failing or error is not None
-                self._cond.notify_all()
             if say:  # one line per outage: the records are kept and the next flush tries again
+                # Said before the waiters hear of the failure: one that reads the process's output
+                # then finds the line there.
                 _say(f"cannot write {self._where} ({error}); will retry ({held} records kept for the next "
                      "flush)")
+            with self._cond:
+                self._tried, self._failed = asked, error is not None
+                self._cond.notify_all()
 
 
 class PartedFile:
