@@ -62,8 +62,8 @@ from bench.multinode import (
     tiny_run_flags,
     use_token_auth,
 )
-from raychat.run.metrics_log import parse_records, read_log
 from raychat.storage import Storage
+from raychat.telemetry.metrics_log import parse_records, read_log
 
 ALL_KINDS = ("kill_worker", "node_loss", "node_swap", "spot_drain", "kill_driver", "short_horizon",
              "second_driver")
@@ -320,7 +320,7 @@ class ChaosRun:
         """A node lost without notice while a spare is up (added first, so that the restart never
         races its arrival), once peer memory covers the run's state (memory_covers: the node goes at
         once then): the group restarts at its size from the copies peer nodes hold in memory
-        (raychat.run.replicas), which the driver's line says and the attempt's start record
+        (raychat.elastic.replicas), which the driver's line says and the attempt's start record
         confirms (no byte of a checkpoint read from storage)."""
         self.ctx.nodes.append(add_node(self.ctx.cluster, self.ctx.temp_dir))
         waited = time.monotonic()

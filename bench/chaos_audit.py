@@ -145,7 +145,7 @@ class CheckpointWatch:
         """What is wrong with the checkpoints at the end (empty: nothing), and the final one.
         `resumed_at`: the step the last attempt started from. Its saver never prunes the checkpoint
         it resumed from: the one at that step, or, resumed from peer memory, the newest durable
-        one then, from which the lineage goes on (raychat.run.worker_setup)."""
+        one then, from which the lineage goes on (raychat.worker.setup)."""
         self.poll()
         problems = list(self.went_back)
         final = latest_valid_checkpoint(self.run_dir, deep=True, log=lambda m: problems.append(m))

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from bench.chaos_audit import attempt_spans, document_counts, read_records, redone_by_attempt, weights_equal
 from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
-from raychat.run.ledger import Ledger
-from raychat.run.metrics_log import read_timeline
 from raychat.storage import Storage
+from raychat.telemetry.ledger import Ledger
+from raychat.telemetry.metrics_log import read_timeline
 
 SECTION = "## Chaos: faults on a multi-node cluster (bench/chaos.py)"
 INTRO = ("`python -m bench.chaos` (see its --help): an elastic run (`--num-workers 1:2`, tiny d2 model, "
@@ -20,7 +20,7 @@ INTRO = ("`python -m bench.chaos` (see its --help): an elastic run (`--num-worke
 
 
 def run_ledger(run_dir: Storage) -> Ledger:
-    """The run's time ledger (raychat.run.ledger) from its metrics log; empty when it has none."""
+    """The run's time ledger (raychat.telemetry.ledger) from its metrics log; empty when it has none."""
     timeline = read_timeline(run_dir)
     return timeline.ledger if timeline is not None else Ledger(0.0, [])
 
@@ -131,7 +131,7 @@ def print_table(summary: dict) -> None:
         for row in rows:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(), flush=True)
         print(flush=True)
-    for run in summary["runs"]:  # where each run's time went, each restart's by cause (raychat.run.ledger)
+    for run in summary["runs"]:  # where each run's time went, each restart's by cause (telemetry.ledger)
         print("\n".join([f"{run['name']}: time ledger", *run.get("ledger", [])]) + "\n", flush=True)
 
 

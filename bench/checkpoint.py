@@ -9,7 +9,7 @@ in the same invocation:
   save    the snapshot stall (`CheckpointSaver.save` -> `AsyncCheckpointWriter.snapshot_seconds`,
           all the training thread waits for), one training step taken while the write runs, the
           background write + upload (`write_seconds`) and the bytes it wrote;
-  memory  the memory tier (raychat.run.replicas): one replication's copy (the stall), its put and two
+  memory  the memory tier (raychat.elastic.replicas): one replication's copy (the stall), its put and two
           holders' receipt (background), what a holder keeps, a restore from the holders; per rank
           at d24 for W = 8, 16, 64 with --network-gbps between nodes;
   resume  the driver's check (`damage`: manifest and sizes), a full hash pass (`damage(deep=True)`,
@@ -61,14 +61,14 @@ from raychat.checkpoint.shardfile import io_count
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig
 from raychat.data.cursor import RankCursor
+from raychat.elastic.cadence import holder_bytes
+from raychat.elastic.holders import Replica, ReplicaHolder
+from raychat.elastic.replicas import MemoryRestore, Replicator
 from raychat.model.gpt import GPTConfig, build_model
 from raychat.optim.muon_adamw import build_optimizer
-from raychat.run.cadence import holder_bytes
-from raychat.run.checkpointing import apply_share, read_share, state_pieces
-from raychat.run.holders import Replica, ReplicaHolder
-from raychat.run.replicas import MemoryRestore, Replicator
 from raychat.scaling import resolve_plan
 from raychat.storage import Storage
+from raychat.worker.state import apply_share, read_share, state_pieces
 
 BUCKET = "raychat-bench"
 MB = 1e6
@@ -152,7 +152,7 @@ def measure(depth: int, args: argparse.Namespace, locations: dict[str, str]) -> 
 
 
 def measure_memory_tier(model: torch.nn.Module, optimizer, step_s: float, step) -> dict:
-    """The memory tier's costs (raychat.run.replicas) on this machine's Ray: one replication (the copy
+    """The memory tier's costs (raychat.elastic.replicas) on this machine's Ray: one replication (the copy
     the loop waits for; the put and the two holders' receipt, in the background while a step trains),
     what the holders keep, and a restore through the sharded reader's interface. Both holders are on
     this node here: the network transfer a peer node adds is estimated for d24 from --network-gbps."""

@@ -3,7 +3,7 @@
 The headline run saves from 8-16 GPUs; a checkpoint's cost must fall as 1/W per rank. For each W
 this spawns W real gloo processes that build the model as a worker does (a real GPT and MuonAdamW,
 one optimizer step taken so the state is populated), save through the worker's path
-(raychat.run.checkpointing.state_pieces -> CheckpointSaver: each rank writes what it owns, no
+(raychat.worker.state.state_pieces -> CheckpointSaver: each rank writes what it owns, no
 gather), then resume at the same W through it (Restore -> read_share -> apply_share) and check the
 state came back bit for bit. It prints one JSON object per W:
 
@@ -53,8 +53,8 @@ from raychat.common import RaychatError, run_cli
 from raychat.model.gpt import GPTConfig, build_model, gpt_config
 from raychat.optim.base import ShardedOptimizer
 from raychat.optim.muon_adamw import build_optimizer
-from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.storage import Storage
+from raychat.worker.state import apply_share, read_share, state_pieces
 
 VOCAB, SEQ, ROWS, STEP = 8192, 256, 4, 1
 MB_FIELDS = ("checkpoint_bytes", "written_bytes_max_rank", "read_bytes_max_rank", "read_bytes_total",

@@ -1,7 +1,7 @@
 """Goodput against a fault rate: one training run with a fault of one kind every N minutes, beside the
 same run undisturbed, on a multi-node Ray cluster on this machine.
 
-Goodput is the share of a run's wall time spent on steps that advanced training (raychat.run.ledger,
+Goodput is the share of a run's wall time spent on steps that advanced training (raychat.telemetry.ledger,
 from the run's metrics log). What a fault costs is the restart (noticing it, a new worker group,
 the restore) plus the steps redone since the last whole checkpoint, so goodput at one fault per N
 minutes is the undisturbed run's less (time lost per fault) / N minutes. The bench measures both
@@ -17,7 +17,7 @@ detection the shipped cluster configs set (cluster/h100.yaml's --system-config),
 
 Kinds: node_loss (a worker's node removed without notice and added back once the run shrank),
 node_swap (a worker's node removed without notice with a spare node up: the run goes on at its size
-from the copies peer nodes hold in memory, raychat.run.replicas),
+from the copies peer nodes hold in memory, raychat.elastic.replicas),
 spot_drain (the same after a spot notice: `ray drain-node` with a 5 s deadline), kill_worker (a
 worker process SIGKILLed).
 

@@ -276,8 +276,8 @@ def raychat_train(flags: list[str], env: dict[str, str], timeout_s: float) -> No
 def run_numbers(run_dir: str, depth: int, warmup_steps: int) -> dict:
     """What the run's metrics log says of its last attempt: tok/s and MFU (medians past the warm-up
     steps), peak memory of rank 0 (its last report), precision, the steps and where it started."""
-    from raychat.run.metrics_log import read_timeline
     from raychat.storage import Storage
+    from raychat.telemetry.metrics_log import read_timeline
 
     timeline = read_timeline(Storage(run_dir))
     start = timeline.starts[-1]

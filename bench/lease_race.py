@@ -18,7 +18,7 @@ import time
 
 from raychat.checkpoint import fence
 from raychat.common import RaychatError, run_cli
-from raychat.run.lease import RunLease
+from raychat.elastic.lease import RunLease
 from raychat.storage import Storage
 
 BUCKET = "raychat-lease-race"

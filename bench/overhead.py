@@ -6,7 +6,7 @@ schedules and rows, and print nanochat's step line, which this script parses:
 - raychat: `python -m raychat.train` as a subprocess, the real driver path: a local Ray instance,
   Ray Train's trainer with one worker, the Ray Data loader feeding it.
 - plain: this script's child process, no Ray: the rows raychat's TrainLoader delivers (materialised
-  once into the cache dir), fed to the worker's own step function (raychat.run.step.train_step:
+  once into the cache dir), fed to the worker's own step function (raychat.worker.step.train_step:
   micro-batches, loss scaled by the global token count, schedules, MuonAdamW step, one host sync)
   and nothing else.
 
@@ -46,7 +46,7 @@ import numpy as np
 from raychat.common import RaychatError, raychat_home, run_cli
 from raychat.config import TrainConfig
 from raychat.corpus.index import CorpusIndex, list_shards
-from raychat.run.metrics_log import METRICS_FILE, parse_records
+from raychat.telemetry.metrics_log import METRICS_FILE, parse_records
 
 if TYPE_CHECKING:
     import torch
@@ -135,7 +135,7 @@ class SavedRows:
 
 @dataclass
 class PlainComponents:
-    """What raychat.run.step.train_step computes with, built without Ray (no saver, no metrics)."""
+    """What raychat.worker.step.train_step computes with, built without Ray (no saver, no metrics)."""
 
     cfg: TrainConfig
     plan: "Plan"
@@ -147,17 +147,17 @@ class PlainComponents:
 
 
 def plain_main(spec: dict) -> int:
-    """raychat worker's step (raychat.run.step.train_step) without Ray: same model, optimizer,
+    """raychat worker's step (raychat.worker.step.train_step) without Ray: same model, optimizer,
     schedules and rows."""
     import torch
 
     from raychat.model.gpt import build_model
     from raychat.model.precision import configure_matmuls, resolve_precision
     from raychat.optim.muon_adamw import build_optimizer
-    from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
-    from raychat.run.step import micro_slices, train_step
     from raychat.scaling import resolve_plan
+    from raychat.telemetry.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
     from raychat.tokenizer.core import Tokenizer
+    from raychat.worker.step import micro_slices, train_step
 
     cfg = TrainConfig.from_dict(spec["config"])
     plan = resolve_plan(cfg, Tokenizer.load(spec["tokenizer_dir"]).vocab_size)
@@ -322,7 +322,7 @@ def summarise(run: Run, skip: int, total_batch_size: int) -> str:
 
 def step_gaps(run_dir: Path, skip: int) -> list[float]:
     """Seconds between one step's end and the next one's start, outside evaluations and saves: what the
-    time ledger counts as "other" (raychat.run.ledger), per steady step, from the run's metrics log
+    time ledger counts as "other" (raychat.telemetry.ledger), per steady step, from the run's metrics log
     (each step record is timed as the step ends; its dt is the step's own time)."""
     records = parse_records((run_dir / METRICS_FILE).read_text())
     steps = [r for r in records if r["kind"] == "step" and r["step"] >= skip - 1]

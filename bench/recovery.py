@@ -17,7 +17,7 @@ after 10 steps on one worker it is added back. From the driver's output, timesta
 "recommended" = GCS health checks every 1 s, a node dead after 3 missed ones
 (`health_check_period_ms`, `health_check_failure_threshold`: Ray's defaults are 3 s and 5). Both
 run raychat's own elastic settings: RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=5 unless set, and the
-cluster view refreshed at each restart (raychat.run.elastic.FreshClusterView).
+cluster view refreshed at each restart (raychat.elastic.controller.FreshClusterView).
 """
 
 import argparse

@@ -1,7 +1,9 @@
 """raychat: pretrain nanochat-style GPT models on a Ray cluster.
 
 Sub-packages, lowest first: corpus (shards on disk), tokenizer, data (the feed of one rank), model,
-optim, checkpoint, evaluation (CORE), run (one training run on Ray), report. Modules beside them:
+optim, checkpoint, evaluation (bits per byte, CORE), ray_glue (where raychat meets Ray), telemetry
+(metrics, the run's log, goodput), elastic (leases, resizes, save cadence, memory replicas), worker
+(what each Ray Train worker runs), run (the driver), report. Modules beside them:
 
     common     where files live, and the one-line RaychatError
     storage    one seam for every read and write: local disk, NFS or a bucket

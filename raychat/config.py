@@ -255,7 +255,7 @@ LOCATION_FIELDS = ("storage_path", "data_dir", "tokenizer_dir")
 # Presets: a named set of flag values applied before the user's own flags.
 PRESETS: dict[str, dict[str, Any]] = {
     # A model that learns visibly within minutes on 2 CPU cores (bench.step's configuration A);
-    # checkpoints on the auto cadence every run gets (raychat.run.cadence).
+    # checkpoints on the auto cadence every run gets (raychat.elastic.cadence).
     "cpu": dict(
         depth=4, head_dim=64, max_seq_len=512, window_pattern="L", device_batch_size=8,
         total_batch_size=4096, num_iterations=60, warmup_steps=6, eval_every=20,

@@ -18,7 +18,7 @@ from raychat.common import RaychatError, default_tokenizer_dir, run_cli
 from raychat.evaluation.bundle import cached_bundle, default_bundle_dir
 from raychat.evaluation.core import Results, combine, format_task_line, score_shard
 from raychat.model.gpt import GPT, build_model
-from raychat.run.runtime_env import worker_runtime_env
+from raychat.ray_glue.runtime_env import worker_runtime_env
 from raychat.storage import redact, run_directory
 from raychat.tokenizer.core import Tokenizer, check_vocab
 
@@ -46,9 +46,9 @@ def score_on_workers(args: tuple, num_workers: int) -> list[Results]:
     """score_part for ranks 0..W-1 as local Ray tasks, each on its share of the cores."""
     import ray
 
-    from raychat.run.cluster_address import LOCAL
-    from raychat.run.quiet import quiet_ray
-    from raychat.run.ray_internals import record_command_line_redacted
+    from raychat.ray_glue.cluster_address import LOCAL
+    from raychat.ray_glue.quiet import quiet_ray
+    from raychat.ray_glue.ray_internals import record_command_line_redacted
 
     if not ray.is_initialized():
         quiet_ray(main_is_raychat=True)  # Ray's start-up and token-auth notices are not the command's output
@@ -65,7 +65,7 @@ def core(args: argparse.Namespace) -> int:
     if args.num_workers < 1:
         raise RaychatError(f"--num-workers must be at least 1, got {args.num_workers}")
     if args.num_workers > 1:  # (one worker scores in this process, without importing Ray)
-        from raychat.run.cluster_address import check_cluster_answers
+        from raychat.ray_glue.cluster_address import check_cluster_answers
 
         check_cluster_answers(os.environ.get("RAY_ADDRESS", ""))
     bundle_dir = str(args.eval_bundle or default_bundle_dir())

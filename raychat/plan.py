@@ -17,6 +17,7 @@ from raychat.common import RaychatError, default_data_dir, default_tokenizer_dir
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.corpus.index import list_shards
 from raychat.data.budget import budget_lines, corpus_budget
+from raychat.elastic.cadence import plan_line, replica_line
 from raychat.memory import (
     GIB,
     GPU_MEMORY_GIB,
@@ -27,7 +28,6 @@ from raychat.memory import (
     plan_memory,
 )
 from raychat.model.precision import DTYPES, run_auto_dtype
-from raychat.run.cadence import plan_line, replica_line
 from raychat.scaling import format_plan, resolve_plan
 from raychat.tokenizer.core import META_FILE, Tokenizer
 

@@ -13,9 +13,8 @@ from raychat.checkpoint.format import read_meta
 from raychat.checkpoint.reader import load_checkpoint
 from raychat.checkpoint.resume import find_checkpoint
 from raychat.common import default_tokenizer_dir, run_cli
-from raychat.model.generate import generate
+from raychat.model.generate import SAMPLE_PROMPTS, generate
 from raychat.model.gpt import build_model
-from raychat.run.validation import SAMPLE_PROMPTS
 from raychat.storage import run_directory
 from raychat.tokenizer.core import Tokenizer, check_vocab
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from raychat.checkpoint.format import latest_valid_checkpoint
 from raychat.common import RaychatError, run_cli
-from raychat.run.metrics_log import read_timeline
 from raychat.storage import SafeLocation, Storage, redact, run_directory
+from raychat.telemetry.metrics_log import read_timeline
 
 TRAIN_RUNS_API = "/api/train/v2/runs/v1"
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"

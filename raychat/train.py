@@ -12,8 +12,9 @@ import time
 from raychat.common import run_cli
 from raychat.config import add_config_flags, config_from_args, preset_note
 from raychat.data.budget import corpus_budget_lines
-from raychat.run.cadence import plan_line, replica_line
-from raychat.run.driver import connect_ray, disconnect_ray, fit_run, prepare_run, summary_lines
+from raychat.elastic.cadence import plan_line, replica_line
+from raychat.run.driver import connect_ray, disconnect_ray, fit_run, summary_lines
+from raychat.run.prepare import prepare_run
 from raychat.scaling import format_plan
 
 EPILOG = """\

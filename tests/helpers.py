@@ -45,9 +45,9 @@ from raychat.corpus.index import list_shards, shard_filename
 from raychat.model.gpt import GPT, GPTConfig, build_model
 from raychat.optim.base import ShardedOptimizer
 from raychat.optim.registry import optimizer_spec
-from raychat.run.step import micro_slices
 from raychat.scaling import Plan, rank_rows, resolve_plan
 from raychat.storage import Storage
+from raychat.worker.step import micro_slices
 
 if TYPE_CHECKING:  # conftest imports this module; the types only
     from conftest import RayCluster
@@ -446,7 +446,7 @@ class StepRows:
 
 @dataclass
 class StepComponents:
-    """What raychat.run.step.train_step computes with (raychat.run.worker_setup.Worker has the same)."""
+    """What raychat.worker.step.train_step computes with (raychat.worker.setup.Worker has the same)."""
 
     cfg: TrainConfig
     plan: Plan
@@ -461,7 +461,7 @@ def step_components(cfg: TrainConfig, vocab: int, stream: Callable[[int], torch.
                     rank: int = 0, step: int = 0,
                     build: Callable[[GPT, TrainConfig, Plan], ShardedOptimizer] | None = None
                     ) -> StepComponents:
-    """A rank's model, optimizer and rows as the worker builds them (raychat.run.worker_setup), on the
+    """A rank's model, optimizer and rows as the worker builds them (raychat.worker.setup), on the
     CPU: the model from the plan of `cfg` (seeded by cfg.seed), the optimizer by `build` (default: the
     spec --optimizer names), this rank's share of the plan's rows per step of `stream` from `step` on,
     cut into micro-batches of --device-batch-size."""

@@ -65,7 +65,7 @@ def logging_state():
 
 
 def restore_logging(state):
-    # What a command set on a logger that existed before it (raychat.run.quiet's levels and filters)
+    # What a command set on a logger that existed before it (raychat.ray_glue.quiet's levels and filters)
     # is undone: the next command finds the preloaded modules' loggers as their imports left them (a
     # logger first made by a command keeps what the commands after it set).
     for lg, (level, filters, propagate, disabled, handlers) in state.items():

@@ -6,7 +6,7 @@ fails it. tests/test_train.py checks a 2-worker run with a killed worker against
 
 import re
 
-from raychat.run.validation import SAMPLE_PROMPTS
+from raychat.model.generate import SAMPLE_PROMPTS
 
 RAYCHAT_LINES = [re.compile(p) for p in (
     # the driver, before Ray starts: corpus and tokenizer (prepared when missing), plan table, preset,
@@ -23,7 +23,7 @@ RAYCHAT_LINES = [re.compile(p) for p in (
     # the driver, at Ray's start: the one line in place of Ray's own (raychat.run.driver.ray_line)
     r"^Ray: (started a local instance|joined the cluster at \S+)(; dashboard http\S+( \(it asks for the "
     r"cluster's token: `ray get-auth-token` prints it\))?)?$",
-    # each attempt: its one line, and on a restart what happened (raychat.run.elastic.describe_attempt)
+    # each attempt: its one line, and on a restart what happened (raychat.elastic.signals.describe_attempt)
     r"^(Starting at step 0 \(no checkpoint\)|Starting from nanochat's weights at step 0|Resumed from "
     r"(\S+|peer memory) at step \d+ \((saved by|replicas of) \d+ workers, now \d+\)): training to step "
     r"\d+ at world size (?P<w>\d+) \((?P=w) worker\(s\) on \d+ node\(s\)\), \d+ rows/step on rank 0 in "
@@ -32,7 +32,7 @@ RAYCHAT_LINES = [re.compile(p) for p in (
     r"^(Lost \d+ worker\(s\)|A worker failed|Preempted \(saved step \d+ on the notice\)): continuing on \d+ "
     r"from step \d+ \(.+\); \d+ steps redone$",
     r"^(Grew|Resized) to \d+ workers at step \d+ \(no steps redone\)$",
-    # a save on request (raychat.run.loop.save_on_request)
+    # a save on request (raychat.worker.loop.save_on_request)
     r"^Preemption notice: saved step \d+( \(no deadline given: training on\)|, (training on|waiting for the "
     r"node to go) \(\d+s( before the node goes)?\))$",
     r"^Planned resize: saved step \d+, waiting for the new worker group$",

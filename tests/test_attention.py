@@ -173,7 +173,7 @@ def test_the_model_never_loads_torchdynamo():
     the worker loop imported, a model built as everyone builds it (shapes on meta, then init) and an
     eager forward and backward with sliding windows must not import it. (A worker's torch.optim
     optimizer loads it anyway.)"""
-    code = ("import torch, raychat.run.loop\n"
+    code = ("import torch, raychat.worker.loop\n"
             "from raychat.model.gpt import GPTConfig, build_model\n"
             "m = build_model(GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2,"
             " n_embd=32, window_pattern='SL'), 'cpu')\n"

@@ -12,8 +12,8 @@ from bench.goodput import (
     shipped_health_checks,
     steady_goodput,
 )
-from raychat.run.cadence import choose_interval
-from raychat.run.replicas import Replicator
+from raychat.elastic.cadence import choose_interval
+from raychat.elastic.replicas import Replicator
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -74,7 +74,7 @@ def test_short_chaos_run_survives_every_fault(tmp_path):
     assert run["lost"] == 0 and run["repeated"] == 0 and run["documents"] > 0
     assert set(run["world_sizes"]) == {2} and len(run["world_sizes"]) >= 3  # a worker and a driver restart
     assert run["weights"] == "bit-identical" and not run["problems"]
-    # Its time ledger (raychat.run.ledger): goodput below the whole, the worker's restart by cause.
+    # Its time ledger (raychat.telemetry.ledger): goodput below the whole, the worker's restart by cause.
     assert 0 < run["goodput"] < 1 and any(" at step " in line for line in run["ledger"]), run["ledger"]
     # The operator's mistakes were refused in one line each, saying why.
     notes = {f["kind"]: f["note"] for f in run["faults"]}

@@ -32,8 +32,8 @@ from raychat.checkpoint.shardfile import BLOCK_BYTES, CheckpointDamaged, io_coun
 from raychat.common import RaychatError
 from raychat.model.gpt import GPTConfig, build_model, gpt_config
 from raychat.optim.muon_adamw import build_optimizer
-from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.storage import Storage
+from raychat.worker.state import apply_share, read_share, state_pieces
 
 RANK0 = rank_file(0, 1)
 

@@ -26,8 +26,8 @@ from raychat.checkpoint.shardfile import io_count
 from raychat.common import RaychatError
 from raychat.model.gpt import GPTConfig, build_model, gpt_config
 from raychat.optim.muon_adamw import build_optimizer
-from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.storage import Storage
+from raychat.worker.state import apply_share, read_share, state_pieces
 
 STEPS = 2
 CPU = torch.device("cpu")
@@ -51,7 +51,7 @@ def train(model, optimizer, steps, weight: float = 1.0) -> None:
 
 
 def save(run: Storage, model, optimizer, world: int, rank: int, gather) -> CheckpointSaver:
-    """What the train loop's save does (raychat.run.loop.save), at step STEPS, blocking."""
+    """What the train loop's save does (raychat.worker.loop.save), at step STEPS, blocking."""
     saver = CheckpointSaver(run, keep=0, rank=rank, world_size=world, log=lambda _: None)
     saver.prepare(STEPS)
     token = gather(f"token-{world}")[0]

@@ -1,4 +1,4 @@
-"""RAY_ADDRESS pre-flight (raychat.run.cluster_address): what answers at an address is told apart by
+"""RAY_ADDRESS pre-flight (raychat.ray_glue.cluster_address): what answers at an address is told apart by
 the first bytes it sends back, against real servers on 127.0.0.1: gRPC's (a GCS speaks it), gRPC over
 TLS (a cluster started with RAY_USE_TLS), an HTTP/1 server (the dashboard's kind), one that hangs up,
 one that says nothing. Where the quick check cannot tell, Ray's GCS client is asked (15 s against a
@@ -18,8 +18,8 @@ from cryptography.x509.oid import NameOID
 from helpers import HubServer
 
 from raychat.common import RaychatError
-from raychat.run import cluster_address
-from raychat.run.cluster_address import check_cluster_answers, speaks_http2, speaks_tls
+from raychat.ray_glue import cluster_address
+from raychat.ray_glue.cluster_address import check_cluster_answers, speaks_http2, speaks_tls
 
 
 @pytest.fixture

@@ -30,8 +30,8 @@ from trace_audit import (
 
 from bench.multinode import kill_node, node_of_pid, stop_processes_under
 from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
-from raychat.run.metrics_log import METRICS_FILE, parse_records
 from raychat.storage import Storage
+from raychat.telemetry.metrics_log import METRICS_FILE, parse_records
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200)]
 
@@ -86,7 +86,7 @@ def test_a_notice_is_saved_as_late_as_the_save_allows():
     """A spot notice's save comes as close to the deadline as twice the last save and three steps
     allow (at least 15 s before it), so the steps trained meanwhile count; at once without a
     deadline or a measured save, and before an evaluation or the final step."""
-    from raychat.run.elastic import notice_save_due
+    from raychat.elastic.signals import notice_save_due
 
     assert not notice_save_due(None, now=100.0, save_s=1.0, step_s=0.1)  # no notice
     assert notice_save_due(0.0, now=100.0, save_s=1.0, step_s=0.1)  # a notice without a deadline
@@ -102,8 +102,8 @@ def test_a_notice_is_saved_as_late_as_the_save_allows():
 
 
 def test_each_kind_of_restart_gets_its_own_line():
-    from raychat.run.coordinator import Attempt
-    from raychat.run.elastic import describe_attempt
+    from raychat.elastic.coordinator import Attempt
+    from raychat.elastic.signals import describe_attempt
 
     def previous(**kw):
         return Attempt(**{"attempt": 1, "last_step": 29, "world_size": 3, "planned_step": None,
@@ -187,7 +187,7 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
     assert "lost" in events and "back" in events, f"the run ended before the resize: {events}\n{logs[-3000:]}"
 
     # The log says what happened, one line each; the summary counts it. The lost node's ranks come
-    # back from their replicas in peer memory (raychat.run.replicas), not from storage, from a set no
+    # back from their replicas in peer memory (raychat.elastic.replicas), not from storage, from a set no
     # older than the one whole when the node went. (What is redone beyond it is what the group
     # trained between its holder on that node dying and its ranks there dying: Ray's timing, seen
     # from 0 to 5 steps at --replicate-every 1.)
@@ -250,7 +250,7 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
 
 def test_a_rank_and_its_peer_copy_lost_together_resume_from_storage(cluster, tiny_corpus, tmp_path):
     """Two of three nodes go at once: the rank of the first had its replicas on its own node and on
-    the second (raychat.run.replicas), so no whole set survives in memory. Two new nodes join at
+    the second (raychat.elastic.replicas), so no whole set survives in memory. Two new nodes join at
     once (a group of one on a loaded 2-core host can outlast Ray Train's 5 s start timeout); the
     next group resumes from the last checkpoint in storage, says so, and trains every document once.
     With the default cadence: once peer memory holds every rank's state, storage saves are a minute

@@ -1,18 +1,18 @@
-"""Goodput without Ray: the auto checkpoint cadence's arithmetic (raychat.run.cadence) and the time
-ledger of a synthetic metrics log (raychat.run.ledger), through the report and raychat.status."""
+"""Goodput without Ray: the auto checkpoint cadence's arithmetic (raychat.elastic.cadence) and the time
+ledger of a synthetic metrics log (raychat.telemetry.ledger), through the report and raychat.status."""
 
 import json
 
 import pytest
 
 from raychat.config import PRESETS, TrainConfig
+from raychat.elastic.cadence import PROBE_STEPS, SaveCadence, choose_interval, plan_line
 from raychat.report.document import build_report
-from raychat.run.cadence import PROBE_STEPS, SaveCadence, choose_interval, plan_line
-from raychat.run.ledger import CAUSES, ledger
-from raychat.run.metrics_log import METRICS_FILE, parse_records
 from raychat.scaling import resolve_plan
 from raychat.status import storage_lines
 from raychat.storage import Storage
+from raychat.telemetry.ledger import CAUSES, ledger
+from raychat.telemetry.metrics_log import METRICS_FILE, parse_records
 
 
 def test_the_default_cadence_is_auto_and_the_fixed_ones_keep_their_meaning():

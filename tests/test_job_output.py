@@ -14,8 +14,8 @@ import pytest
 from helpers import STEP_LINE, VAL_LINE, run_train, submit_job, tiny_flags
 from ray._private.worker import print_to_stdstream
 
-from raychat.run.console import MARK, log_line, print_batch
-from raychat.run.runtime_env import SETUP_HOOK, worker_runtime_env
+from raychat.ray_glue.runtime_env import SETUP_HOOK, worker_runtime_env
+from raychat.telemetry.console import MARK, log_line, print_batch
 
 CORE_LINE = re.compile(r"Step 00006 \| CORE metric: -?\d\.\d{4}")
 RUN = ["--num-workers", "1", "--total-batch-size", "256", "--num-iterations", "6", "--eval-every", "3"]

@@ -38,9 +38,9 @@ from raychat.checkpoint.resume import candidates
 from raychat.checkpoint.saver import CheckpointSaver
 from raychat.checkpoint.sharded import Piece, save_checkpoint
 from raychat.common import RaychatError
+from raychat.elastic import lease
+from raychat.elastic.lease import STALE_AFTER_BEATS, RunLease, holder_is_gone
 from raychat.model.gpt import GPTConfig
-from raychat.run import lease
-from raychat.run.lease import STALE_AFTER_BEATS, RunLease, holder_is_gone
 from raychat.storage import Storage
 
 QUIET = lambda _: None  # noqa: E731
@@ -122,7 +122,7 @@ def test_a_record_replaced_while_it_is_read_is_read_whole(s3_endpoint):
 HOLDER = """
 import os, sys, time
 from raychat.storage import Storage
-from raychat.run.lease import RunLease
+from raychat.elastic.lease import RunLease
 def lost(message):
     print("lost: " + message, flush=True)
     os._exit(3)
@@ -150,7 +150,7 @@ def test_a_paused_holder_is_taken_over_and_stops_once_it_wakes(tmp_path):
         taker.acquire(floor=lambda: 0, log=said.append)  # silent for STALE_AFTER_BEATS beats: taken over
         assert any("stale" in line for line in said) and taker.epoch == 2
         # The record taken over names the paused driver's coordinator (the driver ends it, and its
-        # replica holders: raychat.run.coordinator.end_coordinator_taken_over).
+        # replica holders: raychat.elastic.coordinator.end_coordinator_taken_over).
         assert (taker.taken_over.epoch, taker.taken_over.coordinator, taker.taken_over.namespace) == (
             1, "raychat-coordinator-paused", "its-namespace")
         time.sleep(beat * STALE_AFTER_BEATS)  # the taker beats while the old holder sleeps

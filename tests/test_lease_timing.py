@@ -22,8 +22,8 @@ from raychat.checkpoint.fence import Fence, LeaseLost, LeaseRecord
 from raychat.checkpoint.format import MANIFEST_FILE
 from raychat.common import RaychatError
 from raychat.config import add_config_flags, config_from_args
-from raychat.run import lease
-from raychat.run.lease import MIN_TAKEOVER_S, RunLease, takeover_wait_s
+from raychat.elastic import lease
+from raychat.elastic.lease import MIN_TAKEOVER_S, RunLease, takeover_wait_s
 from raychat.storage import Storage
 
 QUIET = lambda _: None  # noqa: E731
@@ -215,7 +215,7 @@ def _rows(step: int) -> torch.Tensor:
 
 
 def _one_rank_meets_the_takeover(rank: int, tmp: str, run_location: str) -> None:
-    """A rank of the loop's step as raychat.run.loop runs it (saver.poll, then train_step carrying
+    """A rank of the loop's step as raychat.worker.loop runs it (saver.poll, then train_step carrying
     agreed_flags, then stop_if_lost), where only rank 0 saves at SAVE_AT, after another driver took
     the run: its background write is fenced, and no other rank's is."""
     from types import SimpleNamespace
@@ -223,9 +223,9 @@ def _one_rank_meets_the_takeover(rank: int, tmp: str, run_location: str) -> None
     from raychat.checkpoint.meta import CheckpointMeta
     from raychat.checkpoint.saver import CheckpointSaver
     from raychat.model.gpt import GPTConfig
-    from raychat.run import loop
-    from raychat.run.checkpointing import state_pieces
-    from raychat.run.step import train_step
+    from raychat.worker import loop
+    from raychat.worker.state import state_pieces
+    from raychat.worker.step import train_step
 
     run = Storage(run_location)
     with gloo_group(rank, tmp):
@@ -234,7 +234,7 @@ def _one_rank_meets_the_takeover(rank: int, tmp: str, run_location: str) -> None
                                                   fence=Fence(run, 1)))
         out: dict = {"rank": rank}
         step = 0
-        try:  # as raychat.run.loop.train_loop_per_worker: a lost lease ends the loop without an error
+        try:  # as raychat.worker.loop.train_loop_per_worker: a lost lease ends the loop without an error
             for step in range(STEPS):
                 w.saver.poll()
                 if step == SAVE_AT and rank == 0:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from raychat.common import RaychatError
-from raychat.run.metrics import (
+from raychat.storage import Storage
+from raychat.telemetry.metrics import (
     GAUGES,
     AttemptStarted,
     LogLines,
@@ -25,8 +26,7 @@ from raychat.run.metrics import (
     format_val_line,
     smooth_loss,
 )
-from raychat.run.metrics_log import MetricsLog, read_timeline
-from raychat.storage import Storage
+from raychat.telemetry.metrics_log import MetricsLog, read_timeline
 
 # Seed 000: a nanochat d20 run on one MI300X, total batch 2**19 tokens.
 SEED_LINE = ("step 00383/29000 (1.32%) | loss: 3.369286 | lrm: 1.00 | dt: 4052.93ms | tok/sec: 129,360 "
@@ -107,7 +107,7 @@ def test_one_record_reaches_the_line_wandb_and_the_metrics_log(wandb_env, monkey
     assert [(r["_step"], r.get("train/loss")) for r in rows if "train/loss" in r] == [("100", "4")]
     timeline = read_timeline(run)
     assert [r["step"] for r in timeline.steps] == [99, 100, 101]
-    # ... and the attempt's running time outside steps, for the time ledger (raychat.run.ledger)
+    # ... and the attempt's running time outside steps, for the time ledger (raychat.telemetry.ledger)
     assert timeline.steps[1] == {"kind": "step", "time": timeline.steps[1]["time"], **vars(steps[1]),
                                  "eval_s_so_far": 0.0, "checkpoint_s_so_far": 0.0}
     assert timeline.steps[1]["tokens_so_far"] == 101 * 2**19
@@ -269,7 +269,7 @@ def test_a_run_and_its_rerun_are_one_wandb_run_with_every_step_once(ray_session,
     which the first run logged already: every step is in the run's history once, in order."""
     from helpers import run_train, tiny_flags
 
-    from raychat.run.metrics import WANDB_RUN_FILE
+    from raychat.telemetry.metrics import WANDB_RUN_FILE
 
     storage, wandb_dir = tmp_path / "runs", tmp_path / "wandb-files"
     flags = tiny_flags(tiny_corpus, storage, "wb", "--run", "wb-test", "--num-workers", "1",

@@ -13,10 +13,11 @@ from conftest import s3_uri
 from bench.s3_fault_proxy import S3FaultProxy
 from raychat import faults
 from raychat.checkpoint.fence import Fence, LeaseRecord, create_record
-from raychat.run import metrics_log
-from raychat.run.append_writer import BackgroundWriter
-from raychat.run.metrics import Publisher
-from raychat.run.metrics_log import (
+from raychat.storage import Storage
+from raychat.telemetry import metrics_log
+from raychat.telemetry.append_writer import BackgroundWriter
+from raychat.telemetry.metrics import Publisher
+from raychat.telemetry.metrics_log import (
     METRICS_FILE,
     MetricsLog,
     final_timeline,
@@ -24,7 +25,6 @@ from raychat.run.metrics_log import (
     read_log,
     read_timeline,
 )
-from raychat.storage import Storage
 
 
 def attempt(run: Storage, start: int, stop: int, evals: list[int], tag: str) -> MetricsLog:
@@ -108,7 +108,7 @@ def test_steps_are_batched_and_a_superseded_writer_appends_nothing(storage, monk
 
 FULL_DISK_WRITER = """
 import os, resource, signal, sys
-from raychat.run.metrics_log import METRICS_FILE, MetricsLog
+from raychat.telemetry.metrics_log import METRICS_FILE, MetricsLog
 from raychat.storage import Storage
 
 run = Storage(sys.argv[1])

@@ -1,4 +1,4 @@
-"""raychat.run.nccl_transport: the inter-node link read from NCCL's own init lines (real lines, each
+"""raychat.ray_glue.nccl_transport: the inter-node link read from NCCL's own init lines (real lines, each
 with the public thread it was copied from), and the start path that captures them: a multi-node GPU
 group's rank 0 says which link NCCL chose and warns once when it is TCP sockets; CPU runs, one-node
 groups and other ranks are untouched."""
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from raychat.run import nccl_transport
-from raychat.run.nccl_transport import NcclReport, expand_debug_file, parse_nccl_net
+from raychat.ray_glue import nccl_transport
+from raychat.ray_glue.nccl_transport import NcclReport, expand_debug_file, parse_nccl_net
 
 # NCCL 2.2x with aws-ofi-nccl on EFA (two H200 nodes; "Using network Libfabric" is the plugin's name).
 # https://github.com/NVIDIA/nccl/issues/1597
@@ -112,7 +112,7 @@ def fresh_warning():
 
 
 def start(tmp_path, lines, env=None, device="cuda", world=16, local=8, rank=0):
-    """The worker's start path as raychat.run.worker_setup.setup runs it: watch before the first
+    """The worker's start path as raychat.worker.setup.setup runs it: watch before the first
     collective, NCCL writes its init report (here: pre-written lines), report after it."""
     env = {} if env is None else env
     report = NcclReport.watch(device, world, local, rank, env=env, directory=str(tmp_path))
@@ -167,7 +167,7 @@ def test_a_missing_report_is_said_not_guessed(tmp_path):
 def test_worker_setup_watches_before_its_first_collective_and_reports_after():
     """The call site: watch() comes before setup's first gather (NCCL reads its variables once, at
     the first communicator), report() after it (the report is written by then)."""
-    from raychat.run import worker_setup
+    from raychat.worker import setup as worker_setup
 
     tree = ast.parse(inspect.getsource(worker_setup.setup))
     calls = [(n.lineno, ast.unparse(n.func)) for n in ast.walk(tree) if isinstance(n, ast.Call)]

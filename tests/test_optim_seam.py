@@ -24,11 +24,11 @@ from raychat.config import OPTIMIZERS, TrainConfig, add_config_flags, config_fro
 from raychat.memory import estimate_memory
 from raychat.optim.base import ShardedOptimizer
 from raychat.optim.sgd import SGD
-from raychat.run.checkpointing import apply_share, read_share, state_pieces
-from raychat.run.driver import check_resume_fits
-from raychat.run.step import set_schedules, train_step
+from raychat.run.prepare import check_resume_fits
 from raychat.scaling import lr_multiplier, muon_momentum, muon_weight_decay, resolve_plan
 from raychat.storage import Storage
+from raychat.worker.state import apply_share, read_share, state_pieces
+from raychat.worker.step import set_schedules, train_step
 
 VOCAB, T, ROWS, STEPS, SAVE_AT = 128, 16, 8, 12, 6
 CPU = torch.device("cpu")
@@ -55,13 +55,13 @@ SGD_FLAGS = ("--optimizer", "sgd", "--sgd-lr", "50", "--sgd-momentum", "0.9")
 
 
 def components(cfg: TrainConfig, world: int = 1, rank: int = 0, step: int = 0) -> StepComponents:
-    """A rank's model and optimizer as the worker builds them (raychat.run.worker_setup): the model
+    """A rank's model and optimizer as the worker builds them (raychat.worker.setup): the model
     from the plan, the optimizer from the spec --optimizer names."""
     return step_components(cfg, VOCAB, counting, world, rank, step)
 
 
 def save(run: Storage, c: StepComponents, step: int, world: int, rank: int, gather) -> None:
-    """What the train loop's save does (raychat.run.loop.save), blocking."""
+    """What the train loop's save does (raychat.worker.loop.save), blocking."""
     saver = CheckpointSaver(run, keep=0, rank=rank, world_size=world, log=lambda _: None)
     saver.prepare(step)
     token = gather(f"token-{step}")[0]
@@ -74,7 +74,7 @@ def save(run: Storage, c: StepComponents, step: int, world: int, rank: int, gath
 
 def resume(run: Storage, cfg: TrainConfig, step: int, world: int = 1, rank: int = 0,
            gather=lambda obj: [obj]) -> StepComponents:
-    """What raychat.run.worker_setup.setup does with a checkpoint: read this rank's share, apply it."""
+    """What raychat.worker.setup.setup does with a checkpoint: read this rank's share, apply it."""
     c = components(cfg, world, rank, step)
     restore = Restore(run, [f"checkpoint_{step:06d}"], gather, lambda _: None)
     share = restore.load(lambda reader: read_share(reader, c.model, c.optimizer, world, rank))
@@ -252,7 +252,7 @@ def test_a_cpu_worker_builds_and_steps_without_loading_torchdynamo(optimizer):
     script = ("import torch\n"
               "from helpers import step_components\n"
               "from raychat.config import TrainConfig\n"
-              "from raychat.run.step import train_step\n"
+              "from raychat.worker.step import train_step\n"
               f"c = step_components(TrainConfig(**{dataclasses.asdict(cfg)!r}), {VOCAB}, {stream})\n"
               "train_step(c, 0)")
     assert not modules_loaded_by(script, "torch._dynamo"), "TorchDynamo was loaded"

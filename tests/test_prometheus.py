@@ -19,7 +19,7 @@ import pytest
 from conftest import free_port
 from helpers import tiny_flags
 
-from raychat.run.metrics import GAUGES
+from raychat.telemetry.metrics import GAUGES
 
 pytestmark = pytest.mark.ray
 

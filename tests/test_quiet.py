@@ -12,10 +12,10 @@ import pytest
 from helpers import STEP_LINE, VAL_LINE, gone_cluster_recorded, log_lines, modules_loaded_by, tiny_flags
 from run_output import foreign_lines
 
-from raychat.run import quiet
-from raychat.run.console import print_batch
+from raychat.ray_glue import quiet
+from raychat.ray_glue.ray_internals import PROGRESS_NOTICE, TOKEN_AUTH_LOGGER, ray_data_console_handlers
 from raychat.run.driver import ray_line
-from raychat.run.ray_internals import PROGRESS_NOTICE, TOKEN_AUTH_LOGGER, ray_data_console_handlers
+from raychat.telemetry.console import print_batch
 
 CHATTER = ["Reporting training result", "registers for logging", "execution finished",
            "Starting execution of Dataset", "exclude_resources"]
@@ -42,7 +42,7 @@ def test_tiny_run_calls_no_deprecated_ray_api_and_logs_no_chatter(ray_session, t
     assert [int(m.group(1)) for m in log_lines(result.stdout, STEP_LINE)] == list(range(6))
     assert [int(m.group(1)) for m in log_lines(result.stdout, VAL_LINE)] == [0, 3, 6]
     # The default cadence (--save-every 0) checkpoints before the end: 5 steps in, a save that
-    # measures what saves cost (raychat.run.cadence), then the end.
+    # measures what saves cost (raychat.elastic.cadence), then the end.
     assert "Checkpoints: auto (--save-every 0)" in result.stdout
     assert "Checkpoint checkpoint_000005 saved" in result.stdout
     assert [line for line in out.splitlines() if any(c in line for c in CHATTER)] == []
@@ -53,10 +53,11 @@ def test_tiny_run_calls_no_deprecated_ray_api_and_logs_no_chatter(ray_session, t
 
 
 def test_a_process_of_the_run_starts_without_loading_ray_train_ray_data_or_torch():
-    """Every Ray worker process of a run runs the setup hook as it starts (raychat.run.runtime_env):
+    """Every Ray worker process of a run runs the setup hook as it starts (raychat.ray_glue.runtime_env):
     the replica holders and the coordinator too, which never use Ray Train or Ray Data. Loading both
     there cost each process ~1 s of CPU at every run's start, on the CPUs its workers start on."""
-    code = "import ray\nfrom raychat.run.runtime_env import set_up_worker_process\nset_up_worker_process()"
+    code = ("import ray\nfrom raychat.ray_glue.runtime_env import set_up_worker_process\n"
+            "set_up_worker_process()")
     assert not modules_loaded_by(code, "ray.train", "ray.data", "torch")
 
 
@@ -80,7 +81,7 @@ def restored_logging():
 
 def test_verbose_keeps_rays_chatter(restored_logging, monkeypatch):
     chatty, console = restored_logging
-    assert console, "Ray Data's console handler moved: update raychat.run.quiet"
+    assert console, "Ray Data's console handler moved: update raychat.ray_glue.quiet"
     before = ([logger.level for logger in chatty], [h.level for h in console])
     assert all(level < logging.WARNING for level in before[0] + before[1])
     notice = logging.LogRecord(PROGRESS_NOTICE[0], logging.WARNING, __file__, 0,
@@ -101,7 +102,7 @@ def test_verbose_keeps_rays_chatter(restored_logging, monkeypatch):
 
 def test_driver_drops_rays_preemption_watcher_error_and_keeps_other_errors(capsys, monkeypatch):
     """The one ERROR line Ray's own PreemptionCallback causes at every worker-group start is dropped
-    (raychat.run.ray_internals.PREEMPTION_WATCHER_ARGS); --verbose keeps it; other errors always show."""
+    (raychat.ray_glue.ray_internals.PREEMPTION_WATCHER_ARGS); --verbose keeps it; other errors always show."""
     watcher = ("[2026-12-02 23:21:54,518 E 29379 29379] core_worker.cc:2465: Actor with class name: "
                "'PreemptionWatcher' and ID: '62f1' has constructor arguments in the object store and "
                "max_restarts > 0.")

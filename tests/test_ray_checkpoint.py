@@ -14,7 +14,7 @@ from ray.train import Result
 
 from raychat.checkpoint.format import list_checkpoints
 from raychat.config import add_config_flags, config_from_args
-from raychat.run.driver import prepare_run
+from raychat.run.prepare import prepare_run
 from raychat.storage import Storage
 
 

@@ -1,4 +1,4 @@
-"""The private Ray APIs raychat.run.ray_internals names are still where, and what, raychat expects.
+"""The private Ray APIs raychat.ray_glue.ray_internals names are still where, and what, raychat expects.
 
 These fail with the installed Ray version in the message, so an upgrade that moves one says which.
 """
@@ -13,7 +13,7 @@ import sys
 import pytest
 import ray
 
-NEEDED = f"raychat.run.ray_internals needs it; installed Ray {ray.__version__}"
+NEEDED = f"raychat.ray_glue.ray_internals needs it; installed Ray {ray.__version__}"
 
 
 def _module(name: str) -> object:
@@ -30,14 +30,14 @@ def _require(obj: object, attribute: str, where: str) -> object:
 
 
 def test_stdstream_dispatcher_has_the_handler_api():
-    dispatcher = _require(_module("raychat.run.ray_internals"), "STDSTREAM_DISPATCHER", "ray_internals")
+    dispatcher = _require(_module("raychat.ray_glue.ray_internals"), "STDSTREAM_DISPATCHER", "ray_internals")
     for name in ("add_handler", "remove_handler", "handlers"):
         _require(dispatcher, name, "ray._private.ray_logging.global_worker_stdstream_dispatcher")
     assert isinstance(dispatcher.handlers, list), NEEDED
 
 
 def test_controller_callback_hooks_and_states_exist():
-    internals = _module("raychat.run.ray_internals")
+    internals = _module("raychat.ray_glue.ray_internals")
     ControllerCallback = internals.ControllerCallback
     for hook in ("after_controller_state_update", "before_controller_execute_resize_decision"):
         _require(ControllerCallback, hook, "ray.train.v2 ControllerCallback")
@@ -67,13 +67,13 @@ def test_autoscaling_coordinator_can_be_asked_to_recompute():
     params = inspect.signature(method).parameters
     assert "recompute" in params, f"get_reserved_resources takes no `recompute` ({NEEDED})"
     source = inspect.getsource(module.get_or_create_autoscaling_coordinator)
-    name, namespace = _module("raychat.run.ray_internals").AUTOSCALING_COORDINATOR
+    name, namespace = _module("raychat.ray_glue.ray_internals").AUTOSCALING_COORDINATOR
     assert f'name="{name}"' in source and f'namespace="{namespace}"' in source, (
         f"the autoscaling coordinator actor is no longer named {name!r} in {namespace!r} ({NEEDED})")
 
 
 def test_a_train_controllers_resource_request_can_be_found_and_cancelled():
-    """raychat.run.elastic releases a killed controller's request by the id Ray Train registers it under."""
+    """raychat.elastic releases a killed controller's request by the id Ray Train registers it under."""
     module = _module("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator")
     actor = _require(module, "_AutoscalingCoordinatorActor", module.__name__)
     cancel = _require(actor, "cancel_request", "_AutoscalingCoordinatorActor")
@@ -83,7 +83,7 @@ def test_a_train_controllers_resource_request_can_be_found_and_cancelled():
     policy = _module("ray.train.v2._internal.execution.scaling_policy.scaling_policy")
     source = inspect.getsource(_require(policy, "ScalingPolicy", policy.__name__).after_controller_start)
     assert 'f"train-{train_run_context.run_id}"' in source, f"Train's requester id changed ({NEEDED})"
-    assert _module("raychat.run.ray_internals").train_requester_id("abc") == "train-abc", NEEDED
+    assert _module("raychat.ray_glue.ray_internals").train_requester_id("abc") == "train-abc", NEEDED
 
 
 def _logger_of(module_name: str) -> tuple[object, str]:
@@ -95,8 +95,8 @@ def _logger_of(module_name: str) -> tuple[object, str]:
 
 
 def test_the_loggers_of_rays_chatter_still_say_it():
-    """raychat.run.quiet silences these loggers by name: each still exists and still says its line."""
-    internals = _module("raychat.run.ray_internals")
+    """raychat.ray_glue.quiet silences these loggers by name: each still exists and still says its line."""
+    internals = _module("raychat.ray_glue.ray_internals")
     for name, phrase in internals.CHATTY_LOGGERS.items():
         _, source = _logger_of(name)
         assert phrase in source, f"{name} no longer says {phrase!r} ({NEEDED})"
@@ -112,11 +112,11 @@ def test_the_loggers_of_rays_chatter_still_say_it():
 
 
 def test_ray_datas_console_is_a_stream_handler_beside_its_file_handler():
-    """raychat.run.quiet raises Ray Data's console handler to WARNING and leaves its file handler at
+    """raychat.ray_glue.quiet raises Ray Data's console handler to WARNING and leaves its file handler at
     INFO: the console is the one StreamHandler, the file handler is not one."""
     import ray.data  # noqa: F401  (configures the logger)
 
-    internals = _module("raychat.run.ray_internals")
+    internals = _module("raychat.ray_glue.ray_internals")
     handlers = logging.getLogger(internals.RAY_DATA_LOGGER).handlers
     console = internals.ray_data_console_handlers()
     assert len(console) == 1 and len(handlers) == 2, f"Ray Data's handlers changed: {handlers} ({NEEDED})"
@@ -135,7 +135,7 @@ def test_rays_preemption_watcher_is_still_created_so():
             "'PreemptionWatcher' and ID: '62f1b2022e5f3a32440d702501000000' has constructor arguments in the "
             "object store and max_restarts > 0. If the arguments in the object store go out of scope or are "
             "lost, the actor restart will fail.")
-    assert _module("raychat.run.ray_internals").PREEMPTION_WATCHER_ARGS.search(line)
+    assert _module("raychat.ray_glue.ray_internals").PREEMPTION_WATCHER_ARGS.search(line)
 
 
 def test_a_trainer_without_datasets_starts_no_ray_data_manager():
@@ -186,7 +186,7 @@ def test_the_trainer_is_rays_torch_trainer_with_the_flags_timeout():
 
 
 def test_the_state_api_pin_reads_what_rays_own_lookup_reads():
-    """raychat.run.ray_internals.pin_state_api_to_this_cluster reads the dashboard's address where
+    """raychat.ray_glue.ray_internals.pin_state_api_to_this_cluster reads the dashboard's address where
     Ray's own address lookup does (ray.dashboard.utils.ray_address_to_api_server_url) and names it in
     the variable Ray's state API reads first; in a process not connected to Ray it does nothing (the
     setup hook that calls it must never fail a worker's start)."""
@@ -198,7 +198,7 @@ def test_the_state_api_pin_reads_what_rays_own_lookup_reads():
     order = first.index("RAY_API_SERVER_ADDRESS_ENVIRONMENT_VARIABLE"), first.index("RAY_ADDRESS_ENVIRONMENT")
     assert order[0] < order[1], f"Ray's state API no longer reads RAY_API_SERVER_ADDRESS first ({NEEDED})"
     # A fresh interpreter: this one may be connected to the suite's Ray instance.
-    code = ("import os\nfrom raychat.run.ray_internals import pin_state_api_to_this_cluster as pin\n"
+    code = ("import os\nfrom raychat.ray_glue.ray_internals import pin_state_api_to_this_cluster as pin\n"
             "pin()\nprint(os.environ.get('RAY_API_SERVER_ADDRESS', 'unset'))")
     env = {k: v for k, v in os.environ.items() if k != "RAY_API_SERVER_ADDRESS"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)

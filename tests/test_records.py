@@ -12,9 +12,9 @@ from raychat.checkpoint.stop_note import StopNote, read_stop_note, write_stop_no
 from raychat.config import TrainConfig
 from raychat.corpus.index import CorpusRecord
 from raychat.data.cursor import Cursor, RankCursor
+from raychat.elastic.coordinator import Attempt, FinalResult
 from raychat.model.gpt import GPTConfig
 from raychat.records import Record, RecordError
-from raychat.run.coordinator import Attempt, FinalResult
 from raychat.scaling import resolve_plan
 
 FLAGS = TrainConfig(depth=2, max_seq_len=32, device_batch_size=4, total_batch_size=256, num_iterations=8,
@@ -149,7 +149,7 @@ def test_the_stop_note_round_trips_through_storage(tmp_path):
 def test_the_workers_config_reaches_them_typed(ray_session):
     import ray
 
-    from raychat.run.worker_setup import WorkerRunConfig
+    from raychat.worker.setup import WorkerRunConfig
 
     config = WorkerRunConfig(train_config=FLAGS, plan=PLAN, corpus_index=ray.put([1, 2]),
                              tokenizer_fingerprint="tok", session="s1", lease_epoch=2, launched=1.0,

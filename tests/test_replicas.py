@@ -1,4 +1,4 @@
-"""The memory tier (raychat.run.replicas): where each rank's replica goes, which set a restore takes,
+"""The memory tier (raychat.elastic.replicas): where each rank's replica goes, which set a restore takes,
 how often auto replicates, and a real holder actor that keeps two steps and gives the state back bit
 for bit through the sharded reader's interface. A node lost mid-run is in tests/test_elastic.py."""
 
@@ -12,12 +12,9 @@ from helpers import assert_bitwise_equal, modules_loaded_by, step_components
 from raychat.checkpoint.meta import LoopState
 from raychat.config import TrainConfig
 from raychat.data.cursor import RankCursor, merge_cursor
-from raychat.model.gpt import GPTConfig
-from raychat.run.cadence import REPLICA_STALL_BUDGET, holder_bytes, replica_line
-from raychat.run.checkpointing import apply_share, read_share, state_pieces
-from raychat.run.elastic import ElasticSignals
-from raychat.run.holders import Replica, ReplicaHolder, start_holders
-from raychat.run.replicas import (
+from raychat.elastic.cadence import REPLICA_STALL_BUDGET, holder_bytes, replica_line
+from raychat.elastic.holders import Replica, ReplicaHolder, start_holders
+from raychat.elastic.replicas import (
     MemoryRestore,
     Replicator,
     choose_interval,
@@ -26,7 +23,10 @@ from raychat.run.replicas import (
     replicas_needed,
     retain_only,
 )
-from raychat.run.step import train_step
+from raychat.elastic.signals import ElasticSignals
+from raychat.model.gpt import GPTConfig
+from raychat.worker.state import apply_share, read_share, state_pieces
+from raychat.worker.step import train_step
 
 CPU = torch.device("cpu")
 
@@ -244,7 +244,7 @@ class _HungHolder:
     answering for a while)."""
 
     def __init__(self, hang_s: float):
-        import torch  # noqa: F401  (as a real holder loads it when it starts: raychat.run.holders)
+        import torch  # noqa: F401  (as a real holder loads it when it starts: raychat.elastic.holders)
 
         self.hang_s, self.steps = hang_s, []
 
@@ -293,8 +293,8 @@ def test_holders_are_started_and_checked_once_per_node_however_many_ranks_it_has
 
 @pytest.mark.ray
 def test_every_step_is_replicated_and_a_hung_holder_stalls_none_every_rank_skipping_alike(ray_session):
-    """Fixed --replicate-every 1, two ranks, the loop's protocol (raychat.run.loop): each rank
-    replicates when the last step's summed flags say so (raychat.run.elastic.ElasticSignals), its
+    """Fixed --replicate-every 1, two ranks, the loop's protocol (raychat.worker.loop): each rank
+    replicates when the last step's summed flags say so (raychat.elastic.signals.ElasticSignals), its
     still-sending flag asked at the step's all-reduce, after the step's work. Healthy holders keep
     every step. Then rank 1's holder hangs for 6 s: both ranks skip the same steps (a restore needs
     whole sets), rank 0 says so once, no step waits, and the last step, replicated unasked, is
@@ -379,6 +379,6 @@ def test_the_coordinators_process_imports_no_torch():
     """The run's coordinator is a process on every run's start path (the driver creates it before the
     worker group), and it starts the replica holders: on a 2-core node a torch import is 1.5-3 s of
     CPU the worker group's start waits behind. Its module and the holders' must not import it (a
-    holder's process loads it in its constructor, raychat.run.holders)."""
-    assert not modules_loaded_by("import raychat.run.coordinator, raychat.run.holders", "torch")
+    holder's process loads it in its constructor, raychat.elastic.holders)."""
+    assert not modules_loaded_by("import raychat.elastic.coordinator, raychat.elastic.holders", "torch")
 

@@ -9,8 +9,8 @@ from helpers import STEP_LINE, VAL_LINE, log_lines
 
 from raychat.report.__main__ import main as report_main
 from raychat.report.document import build_report
-from raychat.run.metrics_log import METRICS_FILE, read_log, read_timeline
 from raychat.storage import Storage
+from raychat.telemetry.metrics_log import METRICS_FILE, read_log, read_timeline
 
 pytestmark = pytest.mark.ray
 
@@ -72,7 +72,7 @@ def test_report_of_a_tiny_run_and_its_rerun(two_worker_run, tmp_path, capsys):
     assert all(written.exists(name) for name in ("report.md", "loss.png", "throughput.png", "lrm.png",
                                                  "time.png"))
     assert "![loss.png](loss.png)" in written.read_text("report.md")
-    # The time ledger counts each driver's own time, not the time between the two (raychat.run.ledger).
+    # The time ledger counts each driver's own time, not the time between the two (raychat.telemetry.ledger).
     ledger = report.timeline.ledger
     assert [(a.kind, a.step) for a in ledger.attempts] == [("first", 0), ("first", 16)]
     assert 0 < ledger.goodput < 1 and f"goodput {100 * ledger.goodput:.1f}%" in out

@@ -28,9 +28,9 @@ from raychat.corpus.writer import CorpusWriter
 from raychat.model.gpt import GPTConfig, build_model
 from raychat.model.precision import resolve_precision
 from raychat.optim.muon_adamw import build_optimizer
-from raychat.run.checkpointing import apply_share, read_share, state_pieces
 from raychat.run.driver import ray_storage
 from raychat.storage import Storage, redact
+from raychat.worker.state import apply_share, read_share, state_pieces
 
 SECRET_URI = "s3://AKIDEXAMPLE:wJalrXUtnFEMI@bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http"
 
@@ -208,9 +208,9 @@ def test_a_grown_corpus_is_refused_before_any_worker(ray_session, tiny_corpus, t
 def test_a_rank_with_another_tokenizer_is_refused_in_one_line(tiny_corpus, tmp_path):
     """A node whose tokenizer directory was made at another time (another vocabulary) is refused by
     name before it trains a token; the driver's own tokenizer passes."""
-    from raychat.run.worker_setup import _the_drivers_tokenizer
     from raychat.tokenizer.core import Tokenizer
     from raychat.tokenizer.train import train_tokenizer
+    from raychat.worker.setup import _the_drivers_tokenizer
 
     data_dir, tokenizer_dir = tiny_corpus
     drivers = Tokenizer.load(tokenizer_dir).fingerprint
@@ -245,7 +245,12 @@ def test_only_the_coordinator_a_takeover_names_is_ended(ray_session):
     import uuid
 
     from raychat.checkpoint.fence import LeaseRecord
-    from raychat.run.coordinator import _LIVE, coordinator_name, end_coordinator_taken_over, start_coordinator
+    from raychat.elastic.coordinator import (
+        _LIVE,
+        coordinator_name,
+        end_coordinator_taken_over,
+        start_coordinator,
+    )
 
     @ray.remote(num_cpus=0)
     class Bystander:
@@ -291,7 +296,7 @@ def test_a_takeover_releases_only_the_reservation_of_the_epoch_it_took_over(ray_
     )
 
     from raychat.checkpoint.fence import LeaseRecord
-    from raychat.run.elastic import RESERVATION_FILE, release_stale_reservation
+    from raychat.elastic.controller import RESERVATION_FILE, release_stale_reservation
 
     coordinator = get_or_create_autoscaling_coordinator()
     requester = f"train-{uuid.uuid4().hex}"
@@ -330,8 +335,9 @@ def test_resize_requests_belong_to_one_attempt_and_the_last_step_answers_them(ra
 
     import ray
 
-    from raychat.run.coordinator import _LIVE, FinalResult, start_coordinator
-    from raychat.run.elastic import ElasticSignals, PlannedResizeSave
+    from raychat.elastic.controller import PlannedResizeSave
+    from raychat.elastic.coordinator import _LIVE, FinalResult, start_coordinator
+    from raychat.elastic.signals import ElasticSignals
 
     session = uuid.uuid4().hex
     coordinator = start_coordinator(session)

@@ -31,9 +31,10 @@ from raychat.checkpoint.saver import CheckpointSaver
 from raychat.checkpoint.sharded import Piece, write_rank
 from raychat.common import RaychatError
 from raychat.config import add_config_flags, config_from_args
+from raychat.elastic.lease import RunLease
 from raychat.model.gpt import GPTConfig
-from raychat.run.driver import hold_run, prepare_run
-from raychat.run.lease import RunLease
+from raychat.run.driver import hold_run
+from raychat.run.prepare import prepare_run
 from raychat.storage import Storage
 
 QUIET = lambda _: None  # noqa: E731

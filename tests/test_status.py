@@ -13,9 +13,9 @@ import pytest
 from helpers import one_error_line, tiny_flags
 
 from raychat.checkpoint.format import latest_valid_checkpoint
-from raychat.run.metrics_log import METRICS_FILE, read_timeline
 from raychat.status import TRAIN_RUNS_API
 from raychat.storage import Storage, redact
+from raychat.telemetry.metrics_log import METRICS_FILE, read_timeline
 
 pytestmark = pytest.mark.ray
 

@@ -1,4 +1,4 @@
-"""raychat.run.step.train_step, the worker's optimizer step, run without Ray: the step does not
+"""raychat.worker.step.train_step, the worker's optimizer step, run without Ray: the step does not
 depend on how a rank's rows are cut into micro-batches nor on how many ranks share them, and the
 caller's values ride on the loss's all-reduce (the one sync of a step)."""
 
@@ -14,8 +14,8 @@ from helpers import StepComponents, step_components
 from raychat.config import TrainConfig
 from raychat.model.gpt import GPT
 from raychat.optim.muon_adamw import MuonAdamW, build_optimizer
-from raychat.run.step import train_step
 from raychat.scaling import Plan
+from raychat.worker.step import train_step
 
 VOCAB, T, ROWS, STEPS = 128, 16, 6, 3
 
@@ -94,13 +94,13 @@ def test_two_ranks_take_the_one_rank_step_and_sum_the_callers_values(ranks, tmp_
 
 
 def test_importing_the_step_does_not_import_ray():
-    code = "import sys, raychat.run.step; sys.exit('ray' in sys.modules)"
+    code = "import sys, raychat.worker.step; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
 
 
 def test_callable_values_are_asked_after_the_steps_work_and_ride_on_its_all_reduce():
     """A callable `also_sum` is asked once, after the optimizer step (the memory tier's still-sending
-    flag must have seen the step's time go by: raychat.run.loop), and its values come back summed."""
+    flag must have seen the step's time go by: raychat.worker.loop), and its values come back summed."""
     c = components(ROWS)
     before = {k: v.clone() for k, v in c.model.state_dict().items()}
     asked = []
@@ -117,7 +117,7 @@ def test_callable_values_are_asked_after_the_steps_work_and_ride_on_its_all_redu
 def test_cpu_workers_split_the_cores_their_node_declared_to_ray():
     """A node's CPU workers share its cores, up to the CPUs the node declared to Ray: 1-CPU nodes that
     share a 2-core machine (the multi-node test clusters) get one thread per worker, not two each."""
-    from raychat.run.worker_setup import cpu_threads
+    from raychat.worker.setup import cpu_threads
 
     assert cpu_threads(usable_cores=2, node_cpus=1.0, local_world_size=1) == 1
     assert cpu_threads(usable_cores=64, node_cpus=64.0, local_world_size=8) == 8

@@ -20,7 +20,8 @@ from raychat.checkpoint.format import list_checkpoints
 from raychat.checkpoint.meta import CheckpointMeta, LoopState
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig
-from raychat.run.driver import PreparedRun, final_report
+from raychat.run.driver import final_report
+from raychat.run.prepare import PreparedRun
 from raychat.scaling import resolve_plan
 from raychat.storage import Storage
 from tune.report import SWEEP_SPEC_FILE, load_sweep, one_result_per_step

@@ -157,7 +157,7 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
                         r"at world size 2 \(2 worker\(s\) on 1 node\(s\)\)", crashed_out, re.M)
     assert len(starts) == 2 and starts[0] == "Starting at step 0", (starts, crashed_out[-4000:])
     assert re.search(r"^Ray: joined the cluster at \S+; dashboard http", crashed_out, re.M)
-    # The restarted group resumed from the replicas its node's holder kept (raychat.run.replicas: the
+    # The restarted group resumed from the replicas its node's holder kept (raychat.elastic.replicas: the
     # killed process's copy outlived it), not from a checkpoint: a replica step (every 2), no older
     # than the newest set every rank's holders had taken when the first attempt's ranks last traced
     # a step (its holders keep that one). From the trace: worker output reaches the driver best-effort.
@@ -196,7 +196,7 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
     assert [start["storage_read_bytes"] for start in report.timeline.starts] == [0, 0]
     assert 0 <= redone <= last_killed + 1 - resumed
     assert f"1 restart at step(s) {resumed}: {redone} step(s) redone" in report.summary()
-    # The time ledger (raychat.run.ledger): the restart's entry split into its causes, every cause
+    # The time ledger (raychat.telemetry.ledger): the restart's entry split into its causes, every cause
     # within the run's wall time (the driver's own, at most), summing to it, and goodput below 1.
     ledger = report.timeline.ledger
     assert [(a.kind, a.step) for a in ledger.attempts] == [("first", 0), ("restart", resumed)]

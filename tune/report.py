@@ -28,8 +28,8 @@ import pyarrow.fs as pafs
 
 from raychat.common import RaychatError, check_name, default_storage_path, run_cli
 from raychat.report.document import REPORT_FILE, write_run_report
-from raychat.run.metrics_log import has_log
 from raychat.storage import Storage, join_uri, normalize_location
+from raychat.telemetry.metrics_log import has_log
 from tune.fit import ComputeOptimal, compute_optimal
 from tune.plots import EvalCurve, bpb_vs_flops_figure, iso_flop_figure, save_figure
 
@@ -158,7 +158,7 @@ def trial_row(trial: Trial) -> dict[str, Any]:
         "val_bpb": trial.last("val_bpb"),
         "core_metric": trial.last("core_metric"),
         "wall_time_s": trial.last("time_total_s"),
-        "goodput": trial.last("goodput"),  # of the trial's run so far (raychat.run.ledger)
+        "goodput": trial.last("goodput"),  # of the trial's run so far (raychat.telemetry.ledger)
     }
 
 

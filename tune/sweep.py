@@ -31,16 +31,9 @@ import raychat
 from raychat.common import RaychatError, check_name, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.plan import plan_vocab_size
-from raychat.run.cluster_address import check_cluster_answers
-from raychat.run.driver import (
-    connect_ray,
-    final_report,
-    fit_run,
-    prepare_inputs,
-    prepare_run,
-    ray_storage,
-    resolve_paths,
-)
+from raychat.ray_glue.cluster_address import check_cluster_answers
+from raychat.run.driver import connect_ray, final_report, fit_run, ray_storage
+from raychat.run.prepare import prepare_inputs, prepare_run, resolve_paths
 from raychat.scaling import Plan, resolve_plan
 from raychat.storage import Storage, join_uri
 from tune.report import (

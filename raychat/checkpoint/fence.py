@@ -16,7 +16,7 @@ A checkpoint of an older epoch numbered above the floor was written after the ta
 chosen and never counted (`superseded`). One numbered above `resumed` lies on a branch that a
 `--resume-from-step` rewound past, and is disowned the same way only once the rewound run has saved
 a whole checkpoint of its own: a rewind that never trained replaced nothing, and hides nothing.
-Holder liveness (the heartbeat in each record) is raychat.run.lease's concern.
+Holder liveness (the heartbeat in each record) is raychat.elastic.lease's concern.
 """
 
 import json
@@ -61,16 +61,16 @@ class LeaseRecord:
     resumed: int | None = None  # the sequence this epoch's driver resumed from (0: a fresh start)
     beat: int = 0
     released: bool = False
-    # Its driver's run coordinator (a Ray actor: raychat.run.coordinator), which owns the run's replica
+    # Its driver's run coordinator (a Ray actor: raychat.elastic.coordinator), which owns the run's replica
     # holders: a driver that takes the run over ends it. None for a driver outside Ray.
     coordinator: str | None = None
     namespace: str | None = None
-    # Its driver's process as the kernel knows it (raychat.run.lease.process_identity): a driver on
+    # Its driver's process as the kernel knows it (raychat.elastic.lease.process_identity): a driver on
     # the same machine can tell it is gone without waiting out its heartbeat. None where /proc is not.
     process: str | None = None
     # Its driver's heartbeat in seconds: a newcomer watches the record for a multiple of it (the
     # holder's timing, not the newcomer's). None: a record written before it was kept (read as
-    # raychat.run.lease.HEARTBEAT_S, the default then).
+    # raychat.elastic.lease.HEARTBEAT_S, the default then).
     heartbeat_s: float | None = None
 
     def to_json(self) -> bytes:

@@ -39,7 +39,7 @@ class LoopState(Record):
     smooth_train_loss: float = 0.0
     total_training_time: float = 0.0
     val_bpb: float | None = None
-    core_metric: float | None = None  # at the last CORE evaluation (raychat.run.core_metric)
+    core_metric: float | None = None  # at the last CORE evaluation (raychat.worker.core_metric)
     restarts: int = 0  # worker-group restarts after failures
     resizes: int = 0  # planned resizes (the group grew or shrank with nothing lost)
     redone_steps: int = 0  # steps trained again after restarts (work lost since the last checkpoint)

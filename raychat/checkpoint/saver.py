@@ -146,7 +146,7 @@ class CheckpointSaver:
     by poll() or prepare(): one rank leaving the loop would leave the others waiting in the next
     collective until its timeout. It is kept in `lost`, which the loop sums across ranks at the
     next step's all-reduce (or gathers after a synchronous save), so every rank stops at the same
-    step (raychat.run.loop). save() raises it (its caller may need to know; the loop catches it),
+    step (raychat.worker.loop). save() raises it (its caller may need to know; the loop catches it),
     and writes nothing once it is set; so does close().
     """
 

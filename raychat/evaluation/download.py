@@ -8,6 +8,7 @@ and the unpacked bundle must load (raychat.evaluation.bundle); only then is it m
 """
 
 import argparse
+import os
 import shutil
 import tempfile
 import urllib.error
@@ -18,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from raychat.common import RaychatError
+from raychat.config import TrainConfig
 from raychat.evaluation.bundle import CONFIG_FILE, Bundle, default_bundle_dir, load_bundle
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's
@@ -129,3 +131,32 @@ def run_command(args: argparse.Namespace) -> int:
     """Run `download-eval-bundle` with the flags `add_command` defined."""
     download_eval_bundle(args.out or default_bundle_dir(), url=args.url)
     return 0
+
+
+def bundle_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.eval_bundle or default_bundle_dir()).expanduser().resolve()
+
+
+def core_enabled(cfg: TrainConfig) -> bool:
+    return cfg.core_metric_every > 0
+
+
+def check_eval_bundle(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainConfig:
+    """Driver side, before any worker starts: with CORE on, the bundle must be there and whole. A
+    missing one is fetched (as nanochat does on first use, from $RAYCHAT_EVAL_BUNDLE_URL if set);
+    offline (or with RAYCHAT_OFFLINE set) that fails in one line saying where to put it. Workers on
+    other nodes read the same path, so it must exist there too. Returns cfg with that path made
+    absolute (the workers' working directory is not the driver's)."""
+    if not core_enabled(cfg):
+        return cfg
+    directory = bundle_dir(cfg)
+    if not (directory / CONFIG_FILE).is_file():
+        url = os.environ.get("RAYCHAT_EVAL_BUNDLE_URL") or EVAL_BUNDLE_URL
+        if os.environ.get("RAYCHAT_OFFLINE", "") not in ("", "0"):
+            raise offline_error(url, directory, "RAYCHAT_OFFLINE is set")
+        log(f"No eval bundle in {directory}: fetching it (CORE metric every {cfg.core_metric_every} steps)")
+        download_eval_bundle(directory, url=url, log=log)
+    bundle = load_bundle(directory)
+    log(f"CORE: {len(bundle.tasks)} tasks from {directory}, every {cfg.core_metric_every} steps, "
+        f"at most {cfg.core_metric_max_per_task} examples per task")
+    return replace(cfg, eval_bundle=str(directory))

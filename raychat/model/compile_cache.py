@@ -41,7 +41,7 @@ from raychat.model.gpt import GPTConfig
 from raychat.storage import Storage
 
 CACHE_DIR = "compile_cache"
-COMPILE_OPTIONS = {"dynamic": False}  # what raychat passes to torch.compile (raychat.run.worker_setup)
+COMPILE_OPTIONS = {"dynamic": False}  # what raychat passes to torch.compile (raychat.worker.setup)
 MAX_ARCHIVE_BYTES = 2 << 30  # a cache this large is not worth a restart's download
 MAX_UNPACKED_BYTES = 4 * MAX_ARCHIVE_BYTES  # what its members may add up to (a gzip bomb is refused)
 

@@ -12,6 +12,17 @@ import torch.nn.functional as F
 from raychat.common import RaychatError
 from raychat.model.gpt import GPT
 
+# nanochat's seven prompts: cheap, human-readable evidence that the model is learning.
+SAMPLE_PROMPTS = [
+    "The capital of France is",
+    "The chemical symbol of gold is",
+    "If yesterday was Friday, then tomorrow will be",
+    "The opposite of hot is",
+    "The planets of the solar system are:",
+    "My favorite color is",
+    "If 5*x + 3 = 13, then x is",
+]
+
 
 @torch.no_grad()
 def generate(model: GPT, tokens: list[int], max_tokens: int, temperature: float = 0.0,

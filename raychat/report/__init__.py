@@ -1,5 +1,5 @@
 """A run's report: `python -m raychat.report --run-name R` reads the run's metrics log
-(raychat.run.metrics_log) and writes report.md with PNG plots, and prints the summary.
+(raychat.telemetry.metrics_log) and writes report.md with PNG plots, and prints the summary.
 
     plots      the run's figures (and the figure helpers tune.plots shares)
     summary    the numbers: model, horizon, throughput, evals, samples       (plots)

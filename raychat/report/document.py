@@ -24,8 +24,8 @@ from raychat.report.summary import (
     sample_lines,
     throughput_lines,
 )
-from raychat.run.metrics_log import METRICS_FILE, Timeline, read_timeline
 from raychat.storage import Location, Storage, join_uri
+from raychat.telemetry.metrics_log import METRICS_FILE, Timeline, read_timeline
 
 REPORT_FILE = "report.md"
 REPORT_DIR = "report"  # the default --out: <storage>/<run>/report

@@ -14,7 +14,7 @@ from raychat.report.summary import (
     mfu_note,
     timed_steps,
 )
-from raychat.run.metrics_log import Timeline
+from raychat.telemetry.metrics_log import Timeline
 
 
 def trend(t: Timeline) -> str:

@@ -14,8 +14,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from raychat.run.ledger import CAUSES, Ledger
-from raychat.run.metrics_log import Timeline
+from raychat.telemetry.ledger import CAUSES, Ledger
+from raychat.telemetry.metrics_log import Timeline
 
 DPI = 120
 MARKER_COLOURS = {"restart": "red", "resize": "orange", "resume": "grey"}
@@ -122,7 +122,7 @@ CAUSE_COLOURS = {"startup": "grey", "training": "seagreen", "data_wait": "gold",
 
 
 def time_figure(ledger: Ledger) -> Figure:
-    """The run's wall time by cause (raychat.run.ledger): one stacked bar per attempt and one for the
+    """The run's wall time by cause (raychat.telemetry.ledger): one stacked bar per attempt and one for the
     run, in minutes, goodput in each label; the green of each bar is what advanced training."""
     fig = Figure(figsize=(12, max(4.0, 1.5 + 0.5 * (len(ledger.attempts) + 1))))
     ax = fig.subplots()

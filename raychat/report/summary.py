@@ -2,7 +2,7 @@
 model, batch and horizon, tokens:params against Chinchilla's ~20 and the plan, throughput and
 memory, val bpb by eval, the last samples, and diagnostics stated as findings with their numbers.
 
-Everything here is computed from the final timeline (raychat.run.metrics_log) and the plan the
+Everything here is computed from the final timeline (raychat.telemetry.metrics_log) and the plan the
 latest attempt recorded at its start, so it is the same for a run still going and a finished one.
 """
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from raychat.report.plots import Marker
-from raychat.run.metrics import UNTIMED_STEPS
-from raychat.run.metrics_log import Timeline
+from raychat.telemetry.metrics import UNTIMED_STEPS
+from raychat.telemetry.metrics_log import Timeline
 
 CHINCHILLA_RATIO = 20.0  # compute-optimal tokens per parameter (Hoffmann et al. 2022)
 IMPROVING = 0.005  # val bpb still falling by more than 0.5% per eval: the run has not converged

@@ -14,44 +14,30 @@ The workers get the resolved config, the plan and corpus index computed here, th
 the checkpoint to resume from: nothing they would have to resolve again differently.
 """
 
-import dataclasses
 import os
 import signal
 import threading
-import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import ray
-from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, Result, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 
-from raychat.checkpoint.format import highest_sequence, latest_valid_checkpoint, lineage_suffix, read_meta
-from raychat.checkpoint.meta import CheckpointMeta
-from raychat.checkpoint.nanochat import NanochatCheckpoint, load_nanochat_checkpoint
-from raychat.checkpoint.resume import driver_choice
+from raychat.checkpoint.format import highest_sequence, latest_valid_checkpoint, lineage_suffix
 from raychat.checkpoint.stop_note import clear_stop_note, read_stop_note
 from raychat.common import (
     RaychatError,
-    default_data_dir,
-    default_storage_path,
-    default_tokenizer_dir,
 )
 from raychat.config import TrainConfig
-from raychat.corpus.check import summarize
-from raychat.corpus.default import prepare_default_corpus
-from raychat.corpus.index import CorpusIndex, check_checkpoint_corpus
-from raychat.data.loader import check_cursor_fits
-from raychat.faults import check_settings, retry_transient
-from raychat.model.compile_check import check_compile
-from raychat.model.precision import check_precision
-from raychat.optim.registry import check_same_optimizer
-from raychat.run.cluster_address import LOCAL, check_cluster_answers
-from raychat.run.console import install_driver_printer, plain_when_redirected
-from raychat.run.coordinator import (
+from raychat.elastic.controller import (
+    FreshClusterView,
+    NoteRestart,
+    PlannedResizeSave,
+    RecordReservation,
+    release_stale_reservation,
+)
+from raychat.elastic.coordinator import (
     FinalResult,
     coordinator_name,
     end_coordinator_taken_over,
@@ -59,26 +45,17 @@ from raychat.run.coordinator import (
     start_coordinator,
     stop_coordinator,
 )
-from raychat.run.core_metric import check_eval_bundle
-from raychat.run.elastic import (
-    FreshClusterView,
-    NoteRestart,
-    PlannedResizeSave,
-    RecordReservation,
-    release_stale_reservation,
-)
-from raychat.run.lease import RunLease, heartbeat_from_env
-from raychat.run.loop import train_loop_per_worker
-from raychat.run.quiet import VERBOSE_ENV, quiet_ray, verbose
-from raychat.run.ray_internals import record_command_line_redacted, without_dataset_manager
-from raychat.run.runtime_env import worker_runtime_env
-from raychat.run.worker_setup import WorkerRunConfig
-from raychat.scaling import Plan, resolve_plan
-from raychat.storage import Storage, is_uri, normalize_location, redact
-from raychat.tokenizer.core import Tokenizer, check_vocab
-from raychat.tokenizer.train import train_tokenizer
-
-Log = Callable[[str], None]
+from raychat.elastic.lease import RunLease
+from raychat.faults import retry_transient
+from raychat.ray_glue.cluster_address import LOCAL
+from raychat.ray_glue.quiet import VERBOSE_ENV, quiet_ray, verbose
+from raychat.ray_glue.ray_internals import record_command_line_redacted, without_dataset_manager
+from raychat.ray_glue.runtime_env import worker_runtime_env
+from raychat.run.prepare import Log, PreparedRun, choose_checkpoint
+from raychat.storage import Storage, is_uri, redact
+from raychat.telemetry.console import install_driver_printer, plain_when_redirected
+from raychat.worker.loop import train_loop_per_worker
+from raychat.worker.setup import WorkerRunConfig
 
 # After a node loss Ray may size the restart from a view of the cluster that still has the node,
 # then wait this long for it before retrying at the size that fits (Ray's default is 60 s). Read by
@@ -95,171 +72,11 @@ PREEMPTION_POLL_INTERVAL_S = "1"
 HEALTH_CHECK_INTERVAL_S = "0.5"
 
 
-@dataclass
-class PreparedRun:
-    """A run that passed every check the driver can make: what `fit_run` and the workers need."""
-
-    cfg: TrainConfig  # data_dir, tokenizer_dir and storage_path absolute (or URIs)
-    plan: Plan  # at the largest world size of the range
-    tokenizer: Tokenizer
-    index: CorpusIndex  # every shard's footer, read once here: the workers never list the corpus
-    resume_from: Storage | None = None  # the checkpoint the driver chose (hashes verified)
-    resume_meta: CheckpointMeta | None = None  # its metadata
-    init_weights: NanochatCheckpoint | None = None  # --init-from-nanochat, for a run with nothing to resume
-    compile_checked: bool = False  # torch.compile already probed on the workers' device type
-    session: str = field(default_factory=lambda: uuid.uuid4().hex)  # this driver's run, new each time
-    lease_epoch: int = 0  # the run lease's epoch this driver holds (set by `hold_run`): the workers' fence
-    checkpoint_suffix: str = ""  # set by `hold_run` when the run resumes below its newest checkpoint
-    fitting: bool = False  # trainer.fit() is running (the lease may interrupt it)
-    launched: float = field(default_factory=time.time)  # when prepare_run began: the run's start-up from here
-    result: Result | None = None  # Ray Train's, once fit: its `checkpoint` is the run's newest
-
-    @property
-    def finished(self) -> bool:
-        """The checkpoint resumed from is at the end of the plan: nothing is left to train."""
-        return self.resume_meta is not None and self.resume_meta.step == self.plan.num_iterations
-
-    @property
-    def run_dir(self) -> Storage:
-        """`<storage_path>/<run name>`: the run's checkpoints, stop note and metrics."""
-        return Storage(self.cfg.storage_path).child(self.cfg.name)
-
-
-def resolve_paths(cfg: TrainConfig) -> TrainConfig:
-    """The config with its defaults filled in and its paths made absolute, once, here: the workers,
-    trials and checkpoints all read the same directories whatever their working directory."""
-    return dataclasses.replace(
-        cfg,
-        data_dir=normalize_location(cfg.data_dir or str(default_data_dir())),  # a path or a bucket URI
-        tokenizer_dir=normalize_location(cfg.tokenizer_dir or str(default_tokenizer_dir())),  # path or URI
-        storage_path=normalize_location(cfg.storage_path or str(default_storage_path())),
-    )
-
-
-def prepare_inputs(cfg: TrainConfig, log: Log = print) -> tuple[Tokenizer, CorpusIndex]:
-    """Corpus and tokenizer ready and valid (a local corpus and the tokenizer prepared when their
-    directories are empty), with the corpus index, or a one-line error. `cfg` has resolved paths."""
-    if not is_uri(cfg.data_dir) and not any(Path(cfg.data_dir).glob("shard_*.parquet")):
-        log(f"No corpus in {cfg.data_dir}: preparing one")
-        prepare_default_corpus(cfg.data_dir, log=log)
-    index = CorpusIndex.load(cfg.data_dir)
-    log(f"Corpus: {summarize(index)}")
-    if is_uri(cfg.tokenizer_dir):  # a bucket's tokenizer is trained elsewhere and copied in
-        return Tokenizer.load(cfg.tokenizer_dir), index
-    tok_dir = Path(cfg.tokenizer_dir)
-    if tok_dir.exists() and any(tok_dir.iterdir()):
-        return Tokenizer.load(tok_dir), index
-    log(f"No tokenizer in {tok_dir}: training one (vocab {cfg.vocab_size:,}) on {cfg.data_dir}")
-    t0 = time.time()
-    tokenizer = train_tokenizer(cfg.data_dir, tok_dir, vocab_size=cfg.vocab_size, log=log)
-    log(f"Tokenizer trained in {time.time() - t0:.1f}s")
-    return tokenizer, index
-
-
-def plan_run(cfg: TrainConfig, vocab_size: int) -> Plan:
-    """The plan at the largest world size; every size of an elastic range must work too."""
-    min_workers, max_workers = cfg.worker_range()
-    if min_workers != max_workers:
-        resolve_plan(cfg, vocab_size, world_size=min_workers)
-    return resolve_plan(cfg, vocab_size, world_size=max_workers)
-
-
-def choose_checkpoint(cfg: TrainConfig, tokenizer: Tokenizer, index: CorpusIndex, plan: Plan,
-                      log: Log = print) -> tuple[Storage, CheckpointMeta] | None:
-    """The checkpoint this run resumes from (hashes verified) and its metadata. It must fit this
-    tokenizer and lie within the plan's horizon: the flags of a rerun apply from its step on, but
-    a horizon already passed cannot be trained to."""
-    run_dir = Storage(cfg.storage_path).child(cfg.name)
-    latest = driver_choice(run_dir, cfg.resume_from_step, log=lambda m: log(f"warning: {m}"))
-    if latest is None:
-        return None
-    meta = read_meta(latest)
-    check_vocab(tokenizer, meta.vocab_size, meta.tokenizer_fingerprint, str(latest))
-    check_resume_fits(cfg, plan, index, meta, latest)
-    if meta.step > plan.num_iterations:
-        flag = "--" + plan.horizon_rule.replace("_", "-")
-        raise RaychatError(f"{latest} is at step {meta.step:,}, past this plan's horizon of "
-                           f"{plan.num_iterations:,} steps (set by {flag}): give a horizon beyond step "
-                           f"{meta.step:,}, --resume-from-step an earlier checkpoint, or a new --run-name")
-    log(f"Run {run_dir} exists: resuming from {latest.name} (step {meta.step})")
-    return latest, meta
-
-
-def check_resume_fits(cfg: TrainConfig, plan: Plan, index: CorpusIndex, meta: CheckpointMeta,
-                      checkpoint: Storage) -> None:
-    """What cannot change on resume, refused here in one line instead of a retried traceback in
-    every worker: the model's shape and vocabulary, the optimizer whose state it saved, and a corpus
-    the saved cursor cannot continue (other shards, or as many row groups in another order)."""
-    saved = dataclasses.asdict(meta.model_config)
-    changed = [f"{key} {saved[key]} -> {value}" for key, value in dataclasses.asdict(plan.model).items()
-               if saved[key] != value]
-    if changed:
-        raise RaychatError(f"{checkpoint} holds another model than these flags build ({', '.join(changed)}): "
-                           "resume with the run's model flags (--depth, --aspect-ratio, --head-dim, "
-                           "--max-seq-len, --window-pattern, tokenizer) or start a new --run-name")
-    saved_optimizer = meta.user_config.optimizer if meta.user_config else None  # None: saved before the flag
-    check_same_optimizer(saved_optimizer, cfg.optimizer, str(checkpoint))
-    if meta.cursor is not None:
-        check_cursor_fits(meta.cursor, len(index.train), cfg.shuffle_seed if cfg.shuffle_seed >= 0 else None,
-                          cfg.data_dir)
-    check_checkpoint_corpus(meta.corpus, index, str(checkpoint))
-
-
-def choose_initial_weights(cfg: TrainConfig, plan: Plan, tokenizer: Tokenizer, resume_from: Storage | None,
-                           log: Log = print) -> NanochatCheckpoint | None:
-    """The nanochat checkpoint a new run starts from (--init-from-nanochat), read and checked here;
-    a run that already has a checkpoint of its own resumes from that (a rerun of the same command)."""
-    if not cfg.init_from_nanochat:
-        return None
-    if resume_from is not None:
-        log(f"--init-from-nanochat ignored: the run resumes from its own {resume_from.name}")
-        return None
-    seed = load_nanochat_checkpoint(cfg.init_from_nanochat, cfg.init_from_nanochat_step, plan.model,
-                                    tokenizer)
-    unchecked = "" if seed.tokenizer_checked else (" (no nanochat token_bytes.pt beside it: only the vocab "
-                                                   "size of --tokenizer-dir could be checked)")
-    log(f"Starting from nanochat's {seed.model_file} (step {seed.step}): its weights, a fresh optimizer, the "
-        f"corpus from its start{unchecked}")
-    return seed
-
-
-def check_start(cfg: TrainConfig) -> None:
-    """What the environment and the locations' endpoints must be, checked before anything runs: a
-    malformed RAYCHAT_* setting would otherwise end the run at its first storage fault, and a typo'd
-    endpoint host be retried for minutes as if it were a DNS hiccup (which mid-run it may be)."""
-    check_settings()
-    heartbeat_from_env()
-    for flag, location in (("--storage-path", cfg.storage_path), ("--data-dir", cfg.data_dir),
-                           ("--tokenizer-dir", cfg.tokenizer_dir)):
-        if is_uri(location):
-            Storage(location).check_endpoint(flag)
-
-
-def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:
-    """Every check the driver can make, cheapest first, before Ray is even started."""
-    launched = time.time()
-    if not ray.is_initialized():  # (a sweep's trial runs inside the sweep's Ray)
-        check_cluster_answers(os.environ.get("RAY_ADDRESS", ""))
-    check_precision(cfg.dtype, cfg.fp8, cfg.fp8_recipe, cfg.gpus_per_worker)
-    compile_checked = check_compile(cfg.compile, cfg.gpus_per_worker)
-    check_start(cfg)
-    cfg = resolve_paths(cfg)
-    Storage(cfg.storage_path).check_writable()
-    cfg = check_eval_bundle(cfg, log)
-    tokenizer, index = prepare_inputs(cfg, log)
-    plan = plan_run(cfg, tokenizer.vocab_size)
-    resume_from, resume_meta = choose_checkpoint(cfg, tokenizer, index, plan, log) or (None, None)
-    init_weights = choose_initial_weights(cfg, plan, tokenizer, resume_from, log)
-    return PreparedRun(cfg=cfg, plan=plan, tokenizer=tokenizer, index=index, resume_from=resume_from,
-                       resume_meta=resume_meta, init_weights=init_weights, compile_checked=compile_checked,
-                       launched=launched)
-
-
 def connect_ray(cfg: TrainConfig) -> bool:
     """Join the cluster named by RAY_ADDRESS (set by `ray job submit`), else start a local one sized
     for the run's workers; False where this process was connected already (its caller's Ray, which
     disconnect_ray leaves alone). --verbose keeps Ray's own chatter, here and in the workers
-    (raychat.run.quiet)."""
+    (raychat.ray_glue.quiet)."""
     min_workers, max_workers = cfg.worker_range()
     # Before the runtime env below is built: it forwards RAY_TRAIN_* and RAYCHAT_* to the workers.
     if min_workers != max_workers:
@@ -303,7 +120,7 @@ def disconnect_ray() -> None:
 
 
 def ray_line(address: str, dashboard: str | None, joined: bool) -> str:
-    """raychat's one line about Ray, in place of Ray's own (raychat.run.quiet): the cluster, its
+    """raychat's one line about Ray, in place of Ray's own (raychat.ray_glue.quiet): the cluster, its
     dashboard and, where token authentication is on (a local Ray's default), how to get the token the
     dashboard asks for."""
     where = f"joined the cluster at {address}" if joined else "started a local instance"
@@ -360,7 +177,7 @@ class RaychatTrainer(TorchTrainer):
     """Ray Train's TorchTrainer (its process group: Ray's TorchConfig, NCCL on GPUs, gloo otherwise),
     less the Ray Data manager it would start on every attempt for datasets raychat never hands it: one
     process less on every start's and restart's path. Nothing public leaves it out; the override of
-    Ray's private hook and why are in raychat.run.ray_internals.without_dataset_manager."""
+    Ray's private hook and why are in raychat.ray_glue.ray_internals.without_dataset_manager."""
 
     def _create_default_callbacks(self) -> list:
         return without_dataset_manager(super()._create_default_callbacks(), self.datasets)
@@ -370,7 +187,7 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
                   run_config_overrides: dict | None = None) -> RaychatTrainer:
     """The trainer of one run. Checkpoints carry `run.session`, so a restarted worker group
     resumes from what this run wrote and a new run from the driver's choice; the run's coordinator
-    actor (raychat.run.coordinator) is named after it."""
+    actor (raychat.elastic.coordinator) is named after it."""
     # The dashboard's Train view (runs, attempts, workers) needs Ray Train's state tracking, which
     # is off by default in Ray 2.60 and read here, where the trainer is built.
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
@@ -380,7 +197,7 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
     if len(set(cfg.worker_range())) > 1:  # elastic
         callbacks += [PlannedResizeSave(run.session), FreshClusterView()]
     callbacks += [RecordReservation(run.run_dir.location, run.lease_epoch), NoteRestart(run.session)]
-    # Rank 0 names each checkpoint to Ray Train without upload (raychat.run.metrics.TrainReport). Ray
+    # Rank 0 names each checkpoint to Ray Train without upload (raychat.telemetry.metrics.TrainReport). Ray
     # keeps them all (num_to_keep None): with a number, Ray deletes raychat's checkpoint directories;
     # raychat's saver prunes them (--keep-checkpoints).
     run_kwargs = dict(name=cfg.name, failure_config=FailureConfig(max_failures=cfg.max_failures),
@@ -419,7 +236,7 @@ def worker_error(error: BaseException) -> RaychatError | None:
 
 
 def stopped_by_error(run: PreparedRun) -> RaychatError | None:
-    """The user error a worker of this run left in the stop note (raychat.run.loop), if any."""
+    """The user error a worker of this run left in the stop note (raychat.worker.loop), if any."""
     note = read_stop_note(run.cfg.storage_path, run.cfg.name)
     if note is not None and note.of(run.session, "error"):
         return RaychatError(note.message)
@@ -439,7 +256,7 @@ def finished_result(run: PreparedRun, log: Log = print) -> FinalResult:
 
 
 def final_report(run: PreparedRun) -> dict:
-    """The metrics of the final report (raychat.run.loop.report, train_done=True) of a run already at
+    """The metrics of the final report (raychat.worker.loop.report, train_done=True) of a run already at
     its horizon, from its last checkpoint: the final save follows the final evaluation and CORE, so
     its loop state holds them (as an attempt restarted after the final save reports them). For a
     caller that records the run's reports (a Tune trial) when `fit_run` trained nothing: the run may
@@ -460,7 +277,7 @@ def final_report(run: PreparedRun) -> dict:
 
 
 def hold_run(run: PreparedRun, log: Log = print) -> RunLease:
-    """Take the run's lease (the next epoch, created atomically: raychat.run.lease), then choose
+    """Take the run's lease (the next epoch, created atomically: raychat.elastic.lease), then choose
     again under it what to resume from: the choice made before the run was held may be stale (a
     driver it took over from went on saving while it waited). The choice is recorded in the lease,
     so checkpoints an older epoch writes after this point (a superseded writer's late save, an

@@ -1,4 +1,4 @@
-"""Where a run's wall time went, by cause, from its metrics log (raychat.run.metrics_log): its goodput.
+"""Where a run's wall time went, by cause, from its metrics log (raychat.telemetry.metrics_log): its goodput.
 
 Goodput is the share of the wall time spent in steps that advanced training: what a user renting
 preemptible GPUs pays for. The rest is accounted by cause, so the causes partition the wall time:
@@ -17,7 +17,7 @@ preemptible GPUs pays for. The rest is accounted by cause, so the causes partiti
   other        between steps and not in the above: logging, reports to Ray Train, metrics sinks
 
 Every attempt's start record carries the times a restart is split by (`launched`, `setup_started`,
-`noticed`, `last_progress`, written by raychat.run.worker_setup from the driver and the run's
+`noticed`, `last_progress`, written by raychat.worker.setup from the driver and the run's
 coordinator), and every step and report record the attempt's running eval and checkpoint seconds
 (`eval_s_so_far`, `checkpoint_s_so_far`). A rerun of the run name (a new driver, its own `session`)
 starts a new stretch of wall time: the time between two drivers is not counted.

@@ -6,12 +6,12 @@ restart reads it all back (16 GB for d24 on 8 GPUs). GEMINI (SOSP '23) keeps the
 in CPU memory instead, one copy on the rank's own machine and one on a peer's; raychat does the same
 with Ray actors:
 
-- `ReplicaHolder` (raychat.run.holders): one zero-CPU actor per node of the worker group, created
+- `ReplicaHolder` (raychat.elastic.holders): one zero-CPU actor per node of the worker group, created
   and owned by the run's coordinator (on the driver's node, so holders outlive any worker and end
   with the driver's run). It keeps, for each rank that sends to it, the replicas of the two newest
   steps: a step whose set was still in flight when a node died has the one before it complete.
 - The rank's side (`Replicator`): at a replication step, the pieces the rank owns (the very pieces
-  and names of a sharded checkpoint: raychat.run.checkpointing.state_pieces) are copied to reused
+  and names of a sharded checkpoint: raychat.worker.state.state_pieces) are copied to reused
   host buffers (the only stall), then a background thread puts them in Ray's object store once and
   hands them to two holders: its own node's (survives the worker process, not the node) and the next
   node's in the group's ring (survives the node). Any single node lost leaves every rank's replica
@@ -24,7 +24,7 @@ with Ray actors:
   the restore) is abandoned by every rank together, for the durable checkpoint.
 
 Durable checkpoints remain the truth for a cluster lost whole; while peer nodes hold every rank's
-recent state they are as rare as --max-lost-minutes allows (raychat.run.cadence).
+recent state they are as rare as --max-lost-minutes allows (raychat.elastic.cadence).
 """
 
 import dataclasses
@@ -42,9 +42,9 @@ from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.saver import AsyncCheckpointWriter
 from raychat.checkpoint.sharded import Piece
 from raychat.data.cursor import Cursor, merge_cursor
+from raychat.elastic.cadence import REPLICA_KEEP_STEPS, REPLICA_STALL_BUDGET, WRITER_DUTY, least_loss_s
+from raychat.elastic.holders import HOLDER_CALL_S, Replica
 from raychat.model.gpt import GPTConfig
-from raychat.run.cadence import REPLICA_KEEP_STEPS, REPLICA_STALL_BUDGET, WRITER_DUTY, least_loss_s
-from raychat.run.holders import HOLDER_CALL_S, Replica
 
 T = TypeVar("T")
 
@@ -183,7 +183,7 @@ class Replicator:
 
     def wanted(self, step: int, first_step: int, step_s: float) -> bool:
         """Rank 0: whether the state before `step` is to be replicated (every rank hears it through the
-        step's flags: raychat.run.elastic.ElasticSignals). Fixed --replicate-every N: every N steps;
+        step's flags: raychat.elastic.signals.ElasticSignals). Fixed --replicate-every N: every N steps;
         auto: `auto_due`."""
         if self.fixed:
             return step != first_step and step % self.every == 0

@@ -4,9 +4,9 @@ Each optimizer step consumes the same global rows whatever the number of workers
 share of rows (R//W or R//W+1), the loss is summed and divided by the global token count, and the
 optimizer SUM-reduces gradients, so 1 worker and 8 workers compute the same update. Everything a
 resume needs (model, optimizer, loader cursor, loop state) goes into each checkpoint, so Ray can
-restart the group at any size. `setup` (raychat.run.worker_setup) builds what the loop runs on: the
+restart the group at any size. `setup` (raychat.worker.setup) builds what the loop runs on: the
 worker's components `w`, its loop state and its elastic signals; the step itself is plain PyTorch
-(raychat.run.step). The loop below reads top to bottom, each block a named function above it.
+(raychat.worker.step). The loop below reads top to bottom, each block a named function above it.
 """
 
 import gc
@@ -35,22 +35,22 @@ from raychat.config import TrainConfig
 from raychat.data.cursor import Cursor
 from raychat.data.loader import merge_cursor
 from raychat.data.validation import pack_validation_rows
+from raychat.elastic.cadence import SaveCadence
+from raychat.elastic.coordinator import FinalResult
+from raychat.elastic.holders import Replica
+from raychat.elastic.signals import ElasticSignals, notice_margin
+from raychat.evaluation.bpb import evaluate_bpb
 from raychat.model.flops import mfu as compute_mfu
-from raychat.model.generate import generate
-from raychat.run.cadence import SaveCadence
-from raychat.run.checkpointing import state_pieces
-from raychat.run.coordinator import FinalResult
-from raychat.run.core_metric import core_due, evaluate_core
-from raychat.run.elastic import ElasticSignals, notice_margin
-from raychat.run.holders import Replica
-from raychat.run.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
-from raychat.run.metrics_log import flush_soon
-from raychat.run.quiet import quiet_ray
-from raychat.run.ray_internals import preemption_deadline
-from raychat.run.step import train_step
-from raychat.run.validation import SAMPLE_PROMPTS, evaluate_bpb
-from raychat.run.worker_setup import LoopState, Worker, WorkerRunConfig, all_gather_objects, setup
+from raychat.model.generate import SAMPLE_PROMPTS, generate
+from raychat.ray_glue.quiet import quiet_ray
+from raychat.ray_glue.ray_internals import preemption_deadline
 from raychat.storage import Storage
+from raychat.telemetry.metrics import StepMetrics, counts_toward_total_time, eta_seconds, smooth_loss
+from raychat.telemetry.metrics_log import flush_soon
+from raychat.worker.core_metric import core_due, evaluate_core
+from raychat.worker.setup import LoopState, Worker, WorkerRunConfig, all_gather_objects, setup
+from raychat.worker.state import state_pieces
+from raychat.worker.step import train_step
 
 PLANNED_RESIZE_WAIT_S = 120.0  # after a planned-resize save, how long to wait for Ray to restart the group
 NOTICE_WAIT_GRACE_S = 30.0  # after a spot notice's save, how long past the deadline to wait for the reclaim
@@ -174,7 +174,7 @@ def agreed_flags(w: Worker, elastic: Callable[[], tuple[float, ...]]) -> tuple[f
 
 
 def replicate(w: Worker, state: LoopState) -> None:
-    """Mirror this rank's state before step `state.step` in its holders' memory (raychat.run.replicas):
+    """Mirror this rank's state before step `state.step` in its holders' memory (raychat.elastic.replicas):
     the pieces a checkpoint would write and the rank's cursor (rank 0: the loop state, the optimizer's
     plain data and the step records its metrics log holds back, which an attempt resumed from this set
     writes: nothing redoes those steps). No collective: the cursors are merged at a restore."""
@@ -312,7 +312,7 @@ def _evaluations_due(cfg: TrainConfig, step: int, last_step: bool) -> tuple[bool
 
 def _save_due(cfg: TrainConfig, step: int, signals: ElasticSignals) -> bool:
     """--save-every N: every N steps; 0 (auto): when rank 0's cadence asked for it at the last step
-    (raychat.run.cadence), agreed through that step's all-reduce so every rank saves this step."""
+    (raychat.elastic.cadence), agreed through that step's all-reduce so every rank saves this step."""
     return signals.checkpoint_due if cfg.save_every == 0 else _due(step, cfg.save_every)
 
 
@@ -333,7 +333,7 @@ def train_loop_per_worker(config: dict) -> None:
         _train(run_config)
     except LeaseLost as e:
         # Another driver holds the run: this group ends without a word to storage (no stop note),
-        # and a restart of it by Ray ends at its start (raychat.run.worker_setup). The driver,
+        # and a restart of it by Ray ends at its start (raychat.worker.setup). The driver,
         # once it runs again, says so in one line.
         print(f"raychat: {e}", flush=True)
     except RaychatError as e:
@@ -374,7 +374,7 @@ def _steps(w: Worker, state: LoopState, signals: ElasticSignals) -> None:
                    and state.final_evaluated)
     auto_save = w.master and cfg.save_every == 0
     cadence = SaveCadence(cfg.max_lost_minutes, first_step, w.log) if auto_save else None
-    clock = w.publisher.clock  # the time ledger's causes outside steps (raychat.run.ledger)
+    clock = w.publisher.clock  # the time ledger's causes outside steps (raychat.telemetry.ledger)
     while True:
         last_step = state.step >= num_iterations  # the driver refuses a resume past the horizon
         metrics: dict[str, Any] = {}

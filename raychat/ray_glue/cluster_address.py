@@ -14,7 +14,7 @@ import socket
 import ssl
 
 from raychat.common import RaychatError, unreachable
-from raychat.run.ray_internals import gcs_refusal
+from raychat.ray_glue.ray_internals import gcs_refusal
 
 HOST_PORT = re.compile(r"[^\s/:]+:\d+")
 LOCAL = "local"  # ray.init's address for "a new instance, never the recorded cluster"

@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Mapping
 
-SETUP_HOOK = "raychat.run.runtime_env.set_up_worker_process"
+SETUP_HOOK = "raychat.ray_glue.runtime_env.set_up_worker_process"
 # RAY_TRAIN_*: read by the Train controller. RAY_DATA_*: read by each worker's Ray Data pipeline, which
 # builds its own DataContext from its environment (raychat.run.driver.RaychatTrainer ships it none).
 FORWARDED_PREFIXES = ("RAYCHAT_", "WANDB_", "RAY_TRAIN_", "RAY_DATA_")
@@ -42,16 +42,16 @@ def worker_runtime_env(environ: Mapping[str, str]) -> dict:
 
 def set_up_worker_process() -> None:
     """Ray's setup hook for every process of the run: point Ray's state API at this process's own
-    cluster, then silence Ray's chatter unless RAYCHAT_VERBOSE is set (raychat.run.quiet).
+    cluster, then silence Ray's chatter unless RAYCHAT_VERBOSE is set (raychat.ray_glue.quiet).
 
     Ray Train's placement-group cleaner and state actor ask the state API whether an actor lives,
     without an address, and Ray answers from the cluster the machine's last `ray start` recorded
-    when nothing else names one (raychat.run.ray_internals.pin_state_api_to_this_cluster). Asking a
+    when nothing else names one (raychat.ray_glue.ray_internals.pin_state_api_to_this_cluster). Asking a
     cluster that is gone stalled the end of every run by 13-50 s (the cleaner's stop timed out) and
     failed the state actor's checks. RAY_ADDRESS stays as it is: raychat reads it as "the driver
     joined a cluster" (raychat.model.precision, raychat.model.compile_check, raychat.evaluate)."""
-    from raychat.run.quiet import quiet_ray
-    from raychat.run.ray_internals import pin_state_api_to_this_cluster
+    from raychat.ray_glue.quiet import quiet_ray
+    from raychat.ray_glue.ray_internals import pin_state_api_to_this_cluster
 
     pin_state_api_to_this_cluster()
     quiet_ray()

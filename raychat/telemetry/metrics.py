@@ -1,11 +1,11 @@
 """What a run tells the people watching it: nanochat's log line, Ray dashboard gauges, wandb, Ray
-Train/Tune reports and the run's metrics log (raychat.run.metrics_log).
+Train/Tune reports and the run's metrics log (raychat.telemetry.metrics_log).
 
 Each step is one `StepMetrics` record, built once by the loop; `Publisher` is the one place records
 go out from: it wraps each in a typed record (`StepDone`, `Evaluated`, ...) and fans it out to a list
-of sinks (`LogLines`, `RayMetrics`, `WandbLogger`, `raychat.run.metrics_log.MetricsLog`,
+of sinks (`LogLines`, `RayMetrics`, `WandbLogger`, `raychat.telemetry.metrics_log.MetricsLog`,
 `TrainReport`), each of which takes what it shows from the record. Adding a metric means adding a
-field; adding a sink means one class and one entry in the list (raychat.run.worker_setup).
+field; adding a sink means one class and one entry in the list (raychat.worker.setup).
 
 The step line is nanochat's, character for character, so its users' scripts and habits keep
 working (`grep "Validation bpb:"`, `tok/sec: 129,360`). The loop arithmetic behind its fields
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raychat.common import RaychatError
-from raychat.run.ledger import Ledger, ledger
 from raychat.storage import Storage
+from raychat.telemetry.ledger import Ledger, ledger
 
 EMA_BETA = 0.9  # nanochat's smoothing of the logged training loss
 UNTIMED_STEPS = 10  # nanochat leaves the first 10 steps (compilation, warm-up) out of total time
@@ -64,7 +64,7 @@ def eta_seconds(step: int, num_iterations: int, total_time_s: float) -> float | 
 
 @dataclass
 class StepMetrics:
-    """One optimizer step as everyone watching sees it. Built once by the loop (raychat.run.loop.log_step)
+    """One optimizer step as everyone watching sees it. Built once by the loop (raychat.worker.loop.log_step)
     and handed to `Publisher.step`, which hands it to every sink, so a new field is added here once.
     Running totals end in `_so_far`; the Plan's `total_tokens`/`total_flops` are the planned totals."""
 
@@ -143,7 +143,7 @@ class Evaluated:
 
 @dataclass(frozen=True)
 class CoreEvaluated:
-    """A CORE evaluation (raychat.run.core_metric): nanochat's line and the centered result per task."""
+    """A CORE evaluation (raychat.worker.core_metric): nanochat's line and the centered result per task."""
     step: int
     line: str
     core_metric: float
@@ -181,7 +181,7 @@ class Sink(ABC):
 
     def held_back(self) -> list[str]:
         """What this sink holds back, as it would write it: a memory replica carries it, so an attempt
-        resumed past those steps writes what the killed one could not (raychat.run.metrics_log)."""
+        resumed past those steps writes what the killed one could not (raychat.telemetry.metrics_log)."""
         return []
 
 
@@ -216,7 +216,7 @@ GAUGES = {
     "step": "optimizer steps done",
     "world_size": "training workers in the current worker group",
     "data_wait_seconds": "seconds the last step waited for its batch",
-    "goodput": "share of the run's wall time so far in steps that advanced training (raychat.run.ledger)",
+    "goodput": "share of the run's wall time so far in steps that advanced training (telemetry.ledger)",
 }
 
 
@@ -389,12 +389,12 @@ class TrainReport(Sink):
 class Publisher:
     """Hands each of the run's records to every sink in `sinks`, in order. Every rank has one, because
     Ray Train's report is a barrier (its sinks: the log line and `TrainReport`); rank 0's also has the
-    gauges, wandb and the run's metrics log (raychat.run.worker_setup)."""
+    gauges, wandb and the run's metrics log (raychat.worker.setup)."""
 
     def __init__(self, sinks: list[Sink]):
         self._sinks = list(sinks)
         self.last: StepMetrics | None = None  # the latest step, for the next report
-        # This attempt's time outside steps, by cause (raychat.run.ledger), written with every step.
+        # This attempt's time outside steps, by cause (raychat.telemetry.ledger), written with every step.
         self.seconds_so_far = {"eval": 0.0, "checkpoint": 0.0}
         self._before: Ledger | None = None  # the run's ledger up to this attempt's start (rank 0)
         self._started = 0.0  # this attempt's start record's time
@@ -444,7 +444,7 @@ class Publisher:
 
     def core(self, step: int, line: str, core_metric: float, centered: dict[str, float],
              seconds: float) -> None:
-        """A CORE evaluation (raychat.run.core_metric): nanochat's line, the gauge, wandb with the
+        """A CORE evaluation (raychat.worker.core_metric): nanochat's line, the gauge, wandb with the
         centered result per task, and the metrics log (raychat.report plots it)."""
         self._publish(CoreEvaluated(step, line, core_metric, centered, seconds))
 

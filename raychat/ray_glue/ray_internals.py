@@ -2,10 +2,10 @@
 
 Private names move between Ray releases without notice. When one does, tests/test_ray_internals.py
 fails with the installed Ray version in its message, and this module is the one to fix. Used by
-raychat.run.console (the driver's log printer), raychat.run.elastic (controller callbacks, the
+raychat.telemetry.console (the driver's log printer), raychat.elastic (controller callbacks, the
 cluster view and its reservations, the preemption flag), raychat.run.driver (the job's recorded
-command line, the trainer's default callbacks, a cluster's refusal of the driver), raychat.run.quiet
-(the loggers of Ray's chatter and Ray Data's console handler), raychat.run.runtime_env (the state
+command line, the trainer's default callbacks, a cluster's refusal of the driver), raychat.ray_glue.quiet
+(the loggers of Ray's chatter and Ray Data's console handler), raychat.ray_glue.runtime_env (the state
 API's cluster) and nothing else.
 """
 
@@ -26,7 +26,7 @@ from ray._raylet import InnerGcsClient
 from ray.experimental import internal_kv
 
 # Ray Train's private names are imported where they are used, not here: every Ray worker process of
-# a run imports this module as it starts (raychat.run.runtime_env's setup hook), and importing
+# a run imports this module as it starts (raychat.ray_glue.runtime_env's setup hook), and importing
 # ray.train there cost each replica holder, the coordinator and every Ray Data task process ~1 s of
 # CPU it never used.
 
@@ -50,7 +50,7 @@ __all__ = list(CONTROLLER_NAMES)
 
 
 def __getattr__(name: str) -> object:
-    """The controller hooks and states above, imported when first asked for (raychat.run.elastic)."""
+    """The controller hooks and states above, imported when first asked for (raychat.elastic)."""
     if name not in CONTROLLER_NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
@@ -161,7 +161,7 @@ def record_command_line_redacted(redact: Callable[[str], str]) -> None:
 
 
 # Ray's loggers (`logging.getLogger(__name__)` in the module named) whose INFO lines raychat says in
-# its own words; raychat.run.quiet raises them to WARNING. (Ray Train's narration of each attempt is
+# its own words; raychat.ray_glue.quiet raises them to WARNING. (Ray Train's narration of each attempt is
 # silenced through its public LoggingConfig instead: raychat.run.driver.train_logging.) A module that
 # moves brings its lines back unnoticed, so the test pins each one.
 CHATTY_LOGGERS = {
@@ -185,7 +185,7 @@ TRAIN_REPORT_LOGGER = os.path.join(os.path.dirname(ray.__file__), "train", "v2",
 # Ray Data's logging (ray/data/_internal/logging.py, DEFAULT_CONFIG, applied when ray.data is
 # imported): logger "ray.data" with a console handler (ray._private.log.PlainRayHandler, a
 # StreamHandler) beside a file handler (SessionFileHandler, ray-data.log in the session's log
-# directory, not a StreamHandler). Nothing public sets the console's level alone; raychat.run.quiet
+# directory, not a StreamHandler). Nothing public sets the console's level alone; raychat.ray_glue.quiet
 # raises it to WARNING so the per-dataset lines stay in the file.
 RAY_DATA_LOGGER = "ray.data"
 

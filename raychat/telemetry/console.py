@@ -9,7 +9,7 @@ lines bare and hands the rest to Ray's own printer: other processes' warnings an
 prefix. Colour codes only on a terminal: RAY_COLOR_PREFIX=0 (read by Ray at print time) for the
 prefixes, and a filter on Ray's log handler for the colours in its own log lines (its warnings).
 One ERROR line Ray's own code causes at every worker-group start is dropped here unless --verbose
-(raychat.run.ray_internals.PREEMPTION_WATCHER_ARGS says which and why).
+(raychat.ray_glue.ray_internals.PREEMPTION_WATCHER_ARGS says which and why).
 """
 
 import functools
@@ -20,9 +20,9 @@ import re
 import sys
 from collections.abc import Callable
 
-from raychat.run.quiet import verbose
-from raychat.run.ray_internals import PREEMPTION_WATCHER_ARGS
-from raychat.run.ray_internals import STDSTREAM_DISPATCHER as dispatcher
+from raychat.ray_glue.quiet import verbose
+from raychat.ray_glue.ray_internals import PREEMPTION_WATCHER_ARGS
+from raychat.ray_glue.ray_internals import STDSTREAM_DISPATCHER as dispatcher
 
 # Ray's own magic tokens look the same (":actor_name:", ":info_message:"); a worker's raw log file
 # shows this in front of each of the run's lines.

@@ -1,6 +1,6 @@
 """Where the memory tier's replicas live: one `ReplicaHolder` actor per node of the worker group,
-created and owned by the run's coordinator (raychat.run.coordinator), and what a rank hands it, a
-`Replica` (raychat.run.replicas has the ranks' side and the restore).
+created and owned by the run's coordinator (raychat.elastic.coordinator), and what a rank hands it, a
+`Replica` (raychat.elastic.replicas has the ranks' side and the restore).
 
 Apart from the ranks' side so that the coordinator, which starts the holders and imports this module,
 does not import torch: it is a process on the run's start path, where a 2-core node spends 1.5-3 s
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raychat.run.cadence import REPLICA_KEEP_STEPS
+from raychat.elastic.cadence import REPLICA_KEEP_STEPS
 
 if TYPE_CHECKING:
     import torch

@@ -3,13 +3,13 @@ directory (local disk or a bucket), so the run's numbers outlive the terminal an
 `python -m raychat.report` can draw them while the run goes on or long after it ended.
 
 Rank 0 writes it as it goes: an attempt's start (step, world size, plan, restart counts), every
-step's record (raychat.run.metrics.StepMetrics), every eval, the samples and every report to Ray
+step's record (raychat.telemetry.metrics.StepMetrics), every eval, the samples and every report to Ray
 Train. A restarted attempt redoes the steps after its checkpoint and appends them again; the
 reader keeps the final timeline: at each start at step s, what earlier attempts wrote for steps
 from s on is dropped (evals and samples at s itself are kept unless redone).
 
 Rank 0's training thread never waits on storage for it: records are handed to a writer thread
-(raychat.run.append_writer), which writes what it holds when asked. Step records are held back and
+(raychat.telemetry.append_writer), which writes what it holds when asked. Step records are held back and
 written together: on local disk (appended to where it is) at most every LOCAL_FLUSH_S seconds, in a
 bucket at most every REMOTE_FLUSH_S seconds. Every other record is asked to be written at once, with
 the steps before it, and so is everything before a checkpoint (without waiting: `flush_soon`). At
@@ -19,7 +19,7 @@ each flush is a new object, `metrics.jsonl.parts/part_<attempt>_<seq>.jsonl`, no
 and `read_log` reads the log a writer of the whole file left (if one did) then the parts in order, as
 one log. Each write lists the run's lease first (a superseded writer never appends). What rank 0
 holds back, what is being written included, travels with its memory replicas
-(raychat.run.replicas): an attempt resumed from peer memory does not redo those steps, so it writes
+(raychat.elastic.replicas): an attempt resumed from peer memory does not redo those steps, so it writes
 their records first. What a killed rank 0 held back past its last replica is known to the run's
 coordinator (its step count) and counted as redone by the time ledger: the resumed attempt redoes
 those steps. A failed write never stops training: transient faults are retried
@@ -37,9 +37,10 @@ from typing import Any
 
 from raychat.checkpoint.fence import Fence
 from raychat.faults import retry_transient
-from raychat.run.append_writer import BackgroundWriter, PartedFile, part_names, read_whole
-from raychat.run.ledger import Ledger, ledger
-from raychat.run.metrics import (
+from raychat.storage import AppendFile, Storage
+from raychat.telemetry.append_writer import BackgroundWriter, PartedFile, part_names, read_whole
+from raychat.telemetry.ledger import Ledger, ledger
+from raychat.telemetry.metrics import (
     AttemptStarted,
     CoreEvaluated,
     Evaluated,
@@ -49,7 +50,6 @@ from raychat.run.metrics import (
     Sink,
     StepDone,
 )
-from raychat.storage import AppendFile, Storage
 
 METRICS_FILE = "metrics.jsonl"
 LOCAL_FLUSH_S = 1.0

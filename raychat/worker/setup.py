@@ -2,14 +2,14 @@
 
 - `Worker`: the components (model, optimizer, loader, saver, metrics sinks), built once;
 - `LoopState`: the step and the counters a resume restores, which the loop advances;
-- `ElasticSignals` (raychat.run.elastic): rank 0's handle on the run's coordinator and the requests
+- `ElasticSignals` (raychat.elastic): rank 0's handle on the run's coordinator and the requests
   to save now (planned resize, preemption notice).
 
 `setup` reads the run's config, agrees with the other ranks on the checkpoint to resume from (see
 raychat.checkpoint.resume), starts the data loader on its cursor first (so Ray Data's start-up and the first
 documents' tokenizing overlap building and restoring the model), builds the model, the optimizer
-and the checkpoint saver, and tells the run's coordinator that an attempt started (raychat.run.elastic),
-which logs why, if this is a restart. The train loop itself is in raychat.run.loop.
+and the checkpoint saver, and tells the run's coordinator that an attempt started (raychat.elastic),
+which logs why, if this is a restart. The train loop itself is in raychat.worker.loop.
 """
 
 import dataclasses
@@ -32,6 +32,9 @@ from raychat.common import RaychatError
 from raychat.config import TrainConfig
 from raychat.corpus.index import CorpusIndex, CorpusRecord, confirm_identity, corpus_record
 from raychat.data.loader import TrainLoader
+from raychat.elastic.coordinator import coordinator_name
+from raychat.elastic.replicas import MemoryRestore, Replicator, peer_nodes, retain_only
+from raychat.elastic.signals import ElasticSignals, describe_attempt
 from raychat.memory import fit_plan_to_device
 from raychat.model.compile_cache import CompileCache, cache_key, use_run_cache_dir
 from raychat.model.compile_check import probe_compile, uses_compile
@@ -40,19 +43,16 @@ from raychat.model.gpt import build_model
 from raychat.model.precision import configure_matmuls, resolve_precision
 from raychat.optim.base import ShardedOptimizer
 from raychat.optim.registry import optimizer_spec
+from raychat.ray_glue.nccl_transport import NcclReport
 from raychat.records import Record
-from raychat.run.checkpointing import Share, apply_share, read_share
-from raychat.run.console import log_line
-from raychat.run.coordinator import coordinator_name
-from raychat.run.elastic import ElasticSignals, describe_attempt
-from raychat.run.metrics import LogLines, Publisher, RayMetrics, TrainReport, WandbLogger
-from raychat.run.metrics_log import MetricsLog
-from raychat.run.nccl_transport import NcclReport
-from raychat.run.replicas import MemoryRestore, Replicator, peer_nodes, retain_only
-from raychat.run.step import micro_slices
 from raychat.scaling import Plan, rank_rows
 from raychat.storage import Storage
+from raychat.telemetry.console import log_line
+from raychat.telemetry.metrics import LogLines, Publisher, RayMetrics, TrainReport, WandbLogger
+from raychat.telemetry.metrics_log import MetricsLog
 from raychat.tokenizer.core import Tokenizer, check_vocab
+from raychat.worker.state import Share, apply_share, read_share
+from raychat.worker.step import micro_slices
 
 
 @dataclass
@@ -68,7 +68,7 @@ class WorkerRunConfig(Record):
     tokenizer_fingerprint: str  # every rank must load this one
     session: str  # the driver's run: its coordinator's name, and which checkpoints a restart prefers
     lease_epoch: int  # checked before every save and prune (raychat.checkpoint.fence)
-    launched: float  # the time ledger's start (raychat.run.ledger)
+    launched: float  # the time ledger's start (raychat.telemetry.ledger)
     resume_from: str | None  # the checkpoint the driver chose
     init_weights: ray.ObjectRef | None  # nanochat's state, through the object store: no file on the workers
     compile_checked: bool  # torch.compile already probed on the workers' device type
@@ -78,7 +78,7 @@ class WorkerRunConfig(Record):
 @dataclass
 class Worker:
     """The worker's components, built once by `setup`: what the loop computes with (model, optimizer,
-    loader: see raychat.run.step.StepComponents) and where its results go (saver, metrics, log)."""
+    loader: see raychat.worker.step.StepComponents) and where its results go (saver, metrics, log)."""
 
     cfg: TrainConfig
     plan: Plan
@@ -201,7 +201,7 @@ def _agree_on_restore(config: WorkerRunConfig, run: Storage, tokenizer: Tokenize
 
 def _replica_holders(config: WorkerRunConfig, node_of_rank: list[str], me: _Rank
                      ) -> tuple[list[Any], dict[str, Any]]:
-    """The run's replica holders (raychat.run.replicas): those earlier groups started, which may keep
+    """The run's replica holders (raychat.elastic.replicas): those earlier groups started, which may keep
     the set to resume from, and all of them by node once rank 0 has started one on each of this
     group's nodes that has none (unless --replicate-every is -1). New holders keep nothing: a first
     attempt asks none of them."""
@@ -258,7 +258,7 @@ def _build_model_and_optimizer(cfg: TrainConfig, plan: Plan, device: torch.devic
 def _start_attempt(config: WorkerRunConfig, state: LoopState, resumed_from: str | None, me: _Rank
                    ) -> tuple[ElasticSignals, dict]:
     """Rank 0 tells the run's coordinator an attempt started, logs why if it is a restart and counts it.
-    Also returns the times the time ledger splits a restart by (raychat.run.ledger)."""
+    Also returns the times the time ledger splits a restart by (raychat.telemetry.ledger)."""
     if me.rank != 0:
         return ElasticSignals(), {}
     coordinator = ray.get_actor(coordinator_name(config.session))
@@ -354,7 +354,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     restore = _agree_on_restore(config, run, tokenizer, me)
     done("choose_checkpoint")
     # Peer memory first when it holds a whole set at least as new as the durable checkpoint: nothing
-    # is read from storage then (raychat.run.replicas).
+    # is read from storage then (raychat.elastic.replicas).
     durable_step = restore.meta.step if restore.meta is not None else 0
     if durable_step >= plan.num_iterations:  # the final checkpoint holds the final evaluation: it wins
         durable_step += 1
@@ -435,7 +435,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     times.update(launched=config.launched, setup_started=setup_started, setup_phases=phases,
                  storage_read_bytes=sum(me.gather(io_count.read)))
     worker.publisher = _publisher(worker, state, run, precision, peak_source, resumed_label, times, carried)
-    # The attempt's one line (Ray's own narration of it is silenced: raychat.run.quiet).
+    # The attempt's one line (Ray's own narration of it is silenced: raychat.ray_glue.quiet).
     nodes = len(set(node_of_rank))
     me.log(f"{origin}: training to step {plan.num_iterations} at world size {me.world_size} ({me.world_size} "
            f"worker(s) on {nodes} node(s)), {slices[-1].stop} rows/step on rank 0 in micro-batches "

@@ -2,7 +2,7 @@
 
 Silenced at the source, in each process that logs it: the driver (raychat.run.driver.connect_ray) and
 every Ray worker process of the run as it starts (the Train controller, the Train workers, Ray Data's
-tasks: the runtime env's worker_process_setup_hook, raychat.run.runtime_env):
+tasks: the runtime env's worker_process_setup_hook, raychat.ray_glue.runtime_env):
   - Ray Train's "Reporting training result N: TrainingReport(...)" at every report (INFO, from
     ray/train/v2/_internal/execution/context.py, whose logger is named by its file path);
   - Ray Data's per-dataset lines on the console: "Starting execution of Dataset", "registers for
@@ -11,11 +11,11 @@ tasks: the runtime env's worker_process_setup_hook, raychat.run.runtime_env):
     and its notice that progress bars are off (raychat's loader turns them off);
   - the driver's "Connected to Ray cluster. View the dashboard at ..." and Ray's token-auth notice
     at ray.init (raychat.run.driver.ray_line says where the dashboard is and how to get its token;
-    the loggers are named in raychat.run.ray_internals).
+    the loggers are named in raychat.ray_glue.ray_internals).
 The Train controller's and workers' narration of each attempt (resource requests, state transitions,
 the worker group and its list, the failure policy's retry) is silenced through
 Ray Train's own LoggingConfig (raychat.run.driver.train_logging); raychat says each attempt in one
-line of its own (raychat.run.worker_setup).
+line of its own (raychat.worker.setup).
 Warnings Ray raises about its own internals, which raychat cannot fix, are filtered one by one, each
 naming the Ray code that raises it, so the filter can go when Ray fixes it.
 
@@ -32,7 +32,7 @@ import os
 import sys
 import warnings
 
-from raychat.run.ray_internals import (
+from raychat.ray_glue.ray_internals import (
     CHATTY_LOGGERS,
     PROGRESS_NOTICE,
     TOKEN_AUTH_LOGGER,

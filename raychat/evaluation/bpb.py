@@ -1,5 +1,5 @@
-"""Validation during a run: bits per byte on the run's validation rows (raychat.data.validation), and
-the prompts the trainer (and `python -m raychat.sample`) completes as a readable check.
+"""Bits per byte on the run's validation rows (raychat.data.validation), the trainer's validation
+metric.
 
 Bits per byte, not loss, is what we compare across runs: it does not depend on the tokenizer's vocab
 size. It is the sum of nats over target tokens divided by ln(2) times the sum of their UTF-8 bytes;
@@ -11,17 +11,6 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-
-# nanochat's seven prompts: cheap, human-readable evidence that the model is learning.
-SAMPLE_PROMPTS = [
-    "The capital of France is",
-    "The chemical symbol of gold is",
-    "If yesterday was Friday, then tomorrow will be",
-    "The opposite of hot is",
-    "The planets of the solar system are:",
-    "My favorite color is",
-    "If 5*x + 3 = 13, then x is",
-]
 
 
 @torch.no_grad()

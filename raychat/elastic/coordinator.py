@@ -1,14 +1,14 @@
 """The run's coordinator: a small named actor the driver creates for one run, which outlives every
 worker group of it.
 
-The controller's callbacks (raychat.run.elastic) ask it for a save before a planned resize; rank 0
+The controller's callbacks (raychat.elastic) ask it for a save before a planned resize; rank 0
 polls it without blocking (the request reaches every rank through the step's loss all-reduce); it
 remembers the last step each attempt trained and any step it saved on a preemption notice, so a new
 attempt can say "Lost 1 worker(s) ...; 7 steps redone" or "Grew to 3 workers at step 160 (no steps
-redone)"; it owns the run's replica holders (raychat.run.holders), which end with it; and it keeps
+redone)"; it owns the run's replica holders (raychat.elastic.holders), which end with it; and it keeps
 rank 0's final report for the driver.
 
-It imports no torch: its process starts on the run's start path (raychat.run.holders says why that
+It imports no torch: its process starts on the run's start path (raychat.elastic.holders says why that
 matters).
 """
 
@@ -21,8 +21,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raychat.checkpoint.fence import LeaseRecord
+from raychat.elastic.holders import start_holders
 from raychat.records import Record
-from raychat.run.holders import start_holders
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Coordinator:
         self.noticed: float | None = None  # when the controller last began a restart or resize
         self.attempts = 0
         self.final: FinalResult | None = None
-        self.holders: dict[str, ray.actor.ActorHandle] = {}  # by node id (raychat.run.holders)
+        self.holders: dict[str, ray.actor.ActorHandle] = {}  # by node id (raychat.elastic.holders)
 
     def request_save(self) -> None:
         """A planned resize asks for a save. After the last step there is nothing left to save (the

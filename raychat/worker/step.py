@@ -6,7 +6,7 @@ SUM-reduces gradients, so 1 worker and 8 workers compute the same update. The st
 (and its one host sync) sums the loss across ranks, together with whatever small values the caller
 wants summed at the same time (the worker loop's elastic flags), so those cost no second sync.
 
-The Ray worker loop (raychat.run.loop) and the no-Ray baseline of bench/overhead.py run this same
+The Ray worker loop (raychat.worker.loop) and the no-Ray baseline of bench/overhead.py run this same
 function.
 """
 
@@ -31,7 +31,7 @@ class RowSource(Protocol):
 
 
 class StepComponents(Protocol):
-    """What a step computes with: the worker's components (raychat.run.worker_setup.Worker) have them."""
+    """What a step computes with: the worker's components (raychat.worker.setup.Worker) have them."""
 
     cfg: TrainConfig
     plan: Plan

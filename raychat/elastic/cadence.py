@@ -16,7 +16,7 @@ So the interval is chosen from what the run measures, not guessed:
 
 At a 100 ms stall and 4 s steps the loop saves every 3 steps for 0.8% of its time, and a loss redoes
 seconds, not a minute. When the memory tier holds every rank's state on a peer node (a group on two
-nodes or more, raychat.run.replicas), a node lost without notice resumes from that memory, not from
+nodes or more, raychat.elastic.replicas), a node lost without notice resumes from that memory, not from
 storage: what storage saves then protect against (a node lost with its peer, the cluster lost whole)
 is far rarer, so they are as rare as the loss cap allows. When the constraints cannot all hold (a
 long stall, a slow write), the loss cap the user set wins over the stall budget and the writer's
@@ -26,7 +26,7 @@ cap, measures again.
 
 A save's stall and write time are known only after a save, so each attempt saves once PROBE_STEPS
 steps in, then chooses. Rank 0 decides (`SaveCadence`) and its "save now" rides on the step's loss
-all-reduce (raychat.run.elastic.ElasticSignals), so every rank saves at the same step.
+all-reduce (raychat.elastic.signals.ElasticSignals), so every rank saves at the same step.
 """
 
 import math
@@ -129,7 +129,7 @@ def plan_line(save_every: int, max_lost_minutes: float) -> str:
             f"the log says N and each change")
 
 
-# The memory tier (raychat.run.replicas), whose cadence and footprint the plan states.
+# The memory tier (raychat.elastic.replicas), whose cadence and footprint the plan states.
 REPLICA_STALL_BUDGET = 0.02  # auto --replicate-every: the share of step time the copies may stall the loop
 REPLICA_KEEP_STEPS = 2  # replicas a holder keeps per rank: the newest step and the one before
 

@@ -1,0 +1,154 @@
+"""Elastic runs that lose no work on a planned resize, and say what happened at every restart.
+
+Ray Train V2's elastic policy (`ScalingConfig(num_workers=(min, max))`) restarts the worker group
+in two cases: a failure (a worker or its node died; the group restarts with as many workers as fit)
+and a planned resize (the group is healthy and more workers now fit: the controller goes
+RunningState -> ResizingState -> SchedulingState and calls
+`ControllerCallback.before_controller_execute_resize_decision` before it shuts the old group down;
+ray/train/v2/_internal/execution/controller/controller.py, `_execute_resize_decision`). Both restart
+from the latest checkpoint. A failure cannot be planned for, but a resize can: `PlannedResizeSave`
+holds the controller in that hook until the workers have saved a checkpoint at their next step
+boundary, so the larger group resumes exactly where the smaller one stopped.
+
+The run's `Coordinator` actor (raychat.elastic.coordinator) carries the request to the workers and
+remembers each attempt, so a new attempt can log "Lost 1 worker(s) ...; 7 steps redone",
+"Preempted (saved step 23 on the notice): ..." or "Grew to 3 workers at step 160 (no steps
+redone)".
+"""
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+
+import ray
+
+from raychat.checkpoint.fence import LeaseRecord
+from raychat.elastic.coordinator import coordinator_name
+from raychat.ray_glue.ray_internals import (
+    AUTOSCALING_COORDINATOR,
+    ControllerCallback,
+    ReschedulingState,
+    ResizingState,
+    RestartingState,
+    train_requester_id,
+)
+from raychat.storage import Storage
+
+SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
+RESERVATION_FILE = "raychat_reservation.json"  # in the run directory: the controller's resource request
+
+
+class PlannedResizeSave(ControllerCallback):
+    """Before a planned resize restarts the group, have the workers checkpoint the current step."""
+
+    def __init__(self, session: str, wait_s: float = SAVE_WAIT_S):
+        self.session = session
+        self.wait_s = wait_s
+        self._planned = False
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        if isinstance(current_state, ResizingState):
+            self._planned = True  # a healthy group about to be resized (not a restart after a failure)
+
+    def before_controller_execute_resize_decision(self, resize_decision) -> None:
+        if not self._planned:
+            return
+        self._planned = False
+        coordinator = ray.get_actor(coordinator_name(self.session))
+        ray.get(coordinator.request_save.remote())
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            if ray.get(coordinator.get_saved_step.remote()) is not None:
+                return
+            time.sleep(0.2)
+
+
+class NoteRestart(ControllerCallback):
+    """Tell the run's coordinator when the controller starts a restart (it noticed a failure) or a
+    resize: the time ledger's end of detection (raychat.telemetry.ledger)."""
+
+    def __init__(self, session: str):
+        self.session = session
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        if isinstance(current_state, (RestartingState, ResizingState)):
+            with contextlib.suppress(ValueError, ray.exceptions.RayError):  # the ledger only loses a split
+                ray.get_actor(coordinator_name(self.session)).restart_noticed.remote(time.time())
+
+
+class FreshClusterView(ControllerCallback):
+    """After a failure, size the restarted group from the cluster as it is now.
+
+    Ray Train's elastic policy counts the workers that fit from Ray's autoscaling coordinator
+    (ray/data/_internal/cluster_autoscaler), which re-reads the cluster only every 20 s. Right after
+    a node dies it still lists that node, so the controller asks for the old size and waits out
+    RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S for resources that are gone (`python -m bench.recovery
+    --timeline` shows the wait). Asking the coordinator to re-read once when the controller starts
+    a restart (or reschedules after such a timeout) removes that wait."""
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        if isinstance(current_state, (RestartingState, ReschedulingState)):
+            refresh_cluster_view()
+
+
+def refresh_cluster_view() -> None:
+    """Make Ray's autoscaling coordinator re-read the cluster now (a best effort: a Ray without that
+    actor or its `recompute` argument keeps its own 20 s timing)."""
+    with contextlib.suppress(ValueError, TypeError, ray.exceptions.RayError):
+        coordinator = autoscaling_coordinator()
+        ray.get(coordinator.get_reserved_resources.remote("raychat", recompute=True), timeout=10)
+
+
+def autoscaling_coordinator() -> ray.actor.ActorHandle:
+    """Ray's autoscaling coordinator actor; ValueError where the cluster has none (yet)."""
+    name, namespace = AUTOSCALING_COORDINATOR
+    return ray.get_actor(name, namespace=namespace)
+
+
+class RecordReservation(ControllerCallback):
+    """Write down, in the run directory, the resource request this run's controller holds with Ray's
+    autoscaling coordinator.
+
+    The controller cancels that request when it shuts down, but one killed with its driver (the job
+    stopped, the driver's process or node gone) never does, and the coordinator keeps the workers'
+    resources reserved for it until it expires, 180 s later. A relaunched run then sees "ready
+    resources for 0 workers" on a cluster sized for it and waits those minutes (174 s against 34 s
+    with the request released, 2-node cluster, bench/RESULTS.md "Chaos"). The next driver of the
+    run, holding its lease, releases what this file names (`release_stale_reservation`), when it
+    took the run over from this controller's driver (the file says its lease epoch)."""
+
+    def __init__(self, run_dir: str, lease_epoch: int):
+        self.run_dir, self.lease_epoch = run_dir, lease_epoch
+
+    def after_controller_start(self, train_run_context) -> None:
+        record = {"requester": train_requester_id(train_run_context.run_id), "epoch": self.lease_epoch}
+        with contextlib.suppress(OSError):  # without the record a relaunch only waits longer
+            Storage(self.run_dir).replace_atomically(RESERVATION_FILE, json.dumps(record).encode())
+
+
+def release_stale_reservation(run_dir: Storage, taken_over: LeaseRecord | None,
+                              log: Callable[[str], None] = print) -> None:
+    """Cancel the resource request the controller of the driver this one took the run over from
+    (`RunLease.taken_over`) left behind. A driver that released the run had its controller cancel
+    its own; a record of another epoch is not this takeover's (a superseded driver that wakes must
+    not release its successor's)."""
+    if taken_over is None:
+        return
+    try:
+        record = json.loads(run_dir.read_replaceable(RESERVATION_FILE))
+        requester, epoch = record["requester"], record["epoch"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no previous controller recorded one
+    if epoch != taken_over.epoch:
+        return
+    try:
+        coordinator = autoscaling_coordinator()
+        held = ray.get(coordinator.get_reserved_resources.remote(requester), timeout=10)
+        if held:
+            ray.get(coordinator.cancel_request.remote(requester), timeout=10)
+    except (ValueError, TypeError, ray.exceptions.RayError):
+        return  # no coordinator on this cluster (yet): nothing is reserved
+    if held:
+        log(f"Released the resources Ray still reserved for this run's previous controller ({requester}, "
+            f"{len(held)} node(s)): its driver ended without releasing them")
