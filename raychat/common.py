@@ -79,9 +79,10 @@ def default_storage_path() -> Path:
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
     """Run a command's main(); turn RaychatError into one stderr line and exit code 2."""
-    # The interpreter's last collections at exit walk every object torch and Ray created (~0.5 s of
-    # each command on a 2-core host) to free memory that exiting returns anyway. (At exit, after
-    # the command: a process that runs commands in-process keeps collecting until then.)
+    # The interpreter's last collections at exit walk every object torch and Ray created, only to
+    # free memory that exiting returns anyway: on a small node a noticeable part of a short command.
+    # The heap is frozen at exit, not now, so a process that runs commands in-process keeps
+    # collecting until then.
     atexit.register(gc.freeze)
     try:
         code = main(argv)

@@ -264,8 +264,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # Why each preset is what it is, printed after the plan (`preset_note`).
 PRESET_REASONS = {
-    # 2 x86 cores without AVX-512 train d4 at ~1,000 tok/s (fp32; ~3,000 with AVX-512 and bf16), where
-    # the first, 200-step preset took 18.6 min of wall time (2026-12-02, bench/RESULTS.md).
+    # The note's figures are the quick start's as last measured (bench/RESULTS.md, "End to end"). The
+    # preset has 60 steps because a first run should end while its user still watches, and the first
+    # preset, of 200 steps, did not on a CPU without AVX-512.
     "cpu": "about 4 minutes of steps on 2 x86 cores without AVX-512 (~1,000 tok/s), less with it, so a "
            "first run ends in minutes with val bpb clearly falling; --num-iterations N trains on (the same "
            "--run-name resumes)",

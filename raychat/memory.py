@@ -48,8 +48,8 @@ A save needs no device memory: each rank copies its own share of the state, 4 N 
 model and the optimizer state it writes (muon_adamw: S; sgd: rank 0 all 4 N, none without momentum),
 into host buffers (raychat.checkpoint.saver). The estimate counts what the allocator hands out: on
 GPUs the CUDA context and the caching allocator's fragmentation (typically 1-3 GiB) come on top, so
-"fits" keeps a 10% margin; on CPUs glibc keeps freed heap pages resident, so peak RSS is 1.2-1.7x
-this figure (bench/memory.py measures both; bench/RESULTS.md, "Memory").
+"fits" keeps a 10% margin. On CPUs glibc keeps freed heap pages resident, so peak RSS runs well
+above this figure (bench/memory.py measures both; bench/RESULTS.md, "Memory").
 """
 
 from dataclasses import asdict, dataclass

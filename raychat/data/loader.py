@@ -184,21 +184,20 @@ class SourceReader:
     def _warm_start(self) -> int:
         """Tokenize the first reads in this process; returns how many. Ray Data's first tasks wait
         seconds for worker processes to start and import, while the packer needs its buffer of
-        ~1000 documents before the first row: tokenizing those here (~0.3 s per 1000 documents)
-        takes that wait off step 0, and Ray Data continues from the next read.
+        ~1000 documents before the first row. Tokenizing those here is quick by comparison, so it takes
+        that wait off step 0, and Ray Data continues from the next read.
 
-        A resume's first reads are the documents its cursor owes (the packer's buffer when it was
-        saved: a few dozen each from a dozen units or more), and the packer needs nearly all of them
-        for its first row: they are read here too, up to WARM_START_DOCS documents (a shrink from
-        many ranks owes far more: Ray Data reads the rest), as Ray Data would read them, but without
-        waiting for its first tasks' processes to start on a restarted group's node. The first step
-        after a restart waited 11-12 s for its rows (bench.goodput node_swap); a resumed loader on a
-        fresh local Ray had its first rows after 7.8-9.1 s, 3.8-5.2 s with its 13 owed reads read here.
+        A resume's first reads are the documents its cursor owes, the packer's buffer when it was
+        saved: a few dozen from each of a dozen units or more. The packer needs nearly all of them for
+        its first row, so they are read here too, as Ray Data would read them, up to WARM_START_DOCS
+        documents (a shrink from many ranks owes far more; Ray Data reads the rest). A restarted group
+        then does not wait for Ray Data's processes to start on its node before its first step, which
+        was most of that step's wait for rows (bench/RESULTS.md, "Goodput").
 
         Units of a few dozen documents (a corpus written in small row groups) hold far fewer than the
-        packer's buffer in two reads: the warm start goes on while its reads have taken less than
-        WARM_START_S (the time blocked on a full queue not counted), else step 0 waited for Ray Data's
-        pipeline (2.75 s of a tiny run's 3.8 s step 0, 30-document units)."""
+        packer's buffer in two reads, so the warm start goes on while its reads have taken less than
+        WARM_START_S, not counting time blocked on a full queue. Without that, step 0 spent most of
+        its time waiting for Ray Data's pipeline (bench/RESULTS.md, "Start-up")."""
         k = docs = 0
         reading_s = 0.0
         while docs < WARM_START_DOCS and (k < self._owed_reads + WARM_START_READS

@@ -1,11 +1,12 @@
 """The run's fixed validation rows, read and packed in one pass in the rank's own process.
 
-Validation needs a few thousand rows once per attempt, not a stream: going through Ray Data (one
-small dataset after another, each with its start-up) cost ~100 s per attempt on a 2-node cluster
-for 1,200 validation documents. Here the rank reads the val split's row groups itself (range reads,
-the same as a read task's), tokenizes each on all its cores and packs as it goes, stopping when the
-rows are full. The rows are the val split's documents in corpus order, through the same best-fit
-packer (raychat.data.packer) as training, the same on every rank and every world size.
+Validation needs a few thousand rows once per attempt, not a stream. Going through Ray Data meant
+one small dataset after another, each paying Ray Data's start-up, which made reading even a small
+val split a large part of every attempt's start. Here the rank reads the val split's row groups
+itself (range reads, the same as a read task's), tokenizes each on all its cores and packs as it
+goes, stopping when the rows are full. The rows are the val split's documents in corpus order,
+through the same best-fit packer (raychat.data.packer) as training, the same on every rank and every
+world size.
 
 At most one pass of documents: when the val split is smaller than --eval-tokens asks for, the rows
 stop once as many documents as the split holds have been packed, instead of evaluating its

@@ -113,9 +113,9 @@ class RecordReservation(ControllerCallback):
     The controller cancels that request when it shuts down, but one killed with its driver (the job
     stopped, the driver's process or node gone) never does, and the coordinator keeps the workers'
     resources reserved for it until it expires, 180 s later. A relaunched run then sees "ready
-    resources for 0 workers" on a cluster sized for it and waits those minutes (174 s against 34 s
-    with the request released, 2-node cluster, bench/RESULTS.md "Chaos"). The next driver of the
-    run, holding its lease, releases what this file names (`release_stale_reservation`), when it
+    resources for 0 workers" on a cluster sized for it and waits out those minutes before its first
+    step (bench/RESULTS.md, "Chaos", has the relaunch with and without the release). The next driver
+    of the run, holding its lease, releases what this file names (`release_stale_reservation`), when it
     took the run over from this controller's driver (the file says its lease epoch)."""
 
     def __init__(self, run_dir: str, lease_epoch: int):

@@ -3,8 +3,8 @@ created and owned by the run's coordinator (raychat.elastic.coordinator), and wh
 `Replica` (raychat.elastic.replicas has the ranks' side and the restore).
 
 Apart from the ranks' side so that the coordinator, which starts the holders and imports this module,
-does not import torch: it is a process on the run's start path, where a 2-core node spends 1.5-3 s
-of CPU on each torch import. A holder's own process does import it, as it starts.
+does not import torch: it is a process on the run's start path, and a torch import costs seconds of
+CPU on a small node. A holder's own process does import it, as it starts.
 """
 
 from __future__ import annotations

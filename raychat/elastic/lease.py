@@ -7,15 +7,17 @@ checkpoints. So a driver takes the run by creating the next epoch's record
 epoch exactly one gets it, however slow either's requests are. Its workers stamp every checkpoint
 with the epoch and write nothing once a higher epoch exists.
 
-A driver that finds the newest epoch not released watches its heartbeat on its own monotonic clock
-for STALE_AFTER_BEATS of the holder's beats (the record says how long a beat is: the holder's
-timing, never the newcomer's, and never less than MIN_TAKEOVER_S): if the beat moves, the run has a
-live driver and the newcomer refuses in one line; if not, the holder is gone (killed, node lost,
-paused) and the next epoch is created. No clock is compared across machines. A record that cannot
-be read is retried, never taken as free. One shortcut: a holder that ran on this machine, in this
-PID namespace, whose process is gone (a driver killed or crashed and relaunched on the head node, a
-job resubmitted after `ray job stop`) is taken over at once; a paused process is still there, and
-waits its beats out like any other.
+A driver that finds the newest epoch not released watches its heartbeat, on its own monotonic
+clock, for STALE_AFTER_BEATS of the holder's beats. The record says how long a beat is, so the wait
+follows the holder's timing, never the newcomer's, and is never shorter than MIN_TAKEOVER_S. If the
+beat moves, the run has a live driver and the newcomer refuses in one line. If it does not, the
+holder is gone (killed, its node lost, or paused) and the newcomer creates the next epoch. No clock
+is compared across machines. A record that cannot be read is retried, never taken as free.
+
+One shortcut: a holder that ran on this machine, in this PID namespace, and whose process is gone is
+taken over at once. That is a driver killed or crashed and relaunched on the head node, or a job
+resubmitted after `ray job stop`. A paused process is still there, so its beats are waited out like
+any other's.
 
 The holder re-reads the lease at every heartbeat. Once it sees itself superseded (a higher epoch
 exists: it was paused or cut off for longer than the takeover takes), it stops for good: `on_lost`

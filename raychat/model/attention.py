@@ -12,8 +12,9 @@ falls back to SDPA elsewhere. raychat downloads nothing, so it picks among PyTor
 Window semantics are FA3's `window_size=(window, 0)`: query i sees keys j with i - window <= j <= i.
 Masks are built once per (T, window, device) and cached; `layer_masks` is the one place that builds
 them and is kept out of torch.compile graphs, so a compiled model takes a single graph break at the
-top of forward instead of one per layer. Nothing here imports TorchDynamo (1.6 s per process, paid
-by every CLI, driver and CPU worker that imports or plans the model) until something compiles.
+top of forward instead of one per layer. Nothing here imports TorchDynamo until something compiles:
+that import costs every process seconds, and every CLI, driver and CPU worker that imports or plans
+the model would pay it.
 
 Set RAYCHAT_ATTENTION=sdpa to use the boolean-mask path on CUDA too (a fallback if FlexAttention
 misbehaves on some GPU), or RAYCHAT_ATTENTION=flex to run the CUDA path on CPU (PyTorch compiles

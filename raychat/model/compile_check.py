@@ -5,7 +5,7 @@ traceback (no working C++ compiler for inductor's CPU kernels, no Triton for its
 Python version dynamo does not support). Compiling one tiny function on the workers' device type
 meets each of those in seconds, so the driver does it before any worker starts and a worker does it
 before it builds its loader (on a cluster the driver's machine is not the workers'). The probe costs
-a few seconds with inductor's cache warm (about 13 s cold on a 2-core CPU), and only when compile is on.
+seconds, more with a cold inductor cache on a small CPU, and runs only when compile is on.
 """
 
 import os

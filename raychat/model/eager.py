@@ -1,8 +1,8 @@
 """Running a function eagerly from inside code that torch.compile traces.
 
 A module of its own, imported only while TorchDynamo traces (torch.compiler.is_compiling()), because
-torch.compiler.disable imports TorchDynamo (1.6 s per process) and the CLIs and the driver, which
-build and plan models but never compile them, should not pay for it.
+torch.compiler.disable imports TorchDynamo, which costs every process seconds, and the CLIs and the
+driver, which build and plan models but never compile them, should not pay for it.
 """
 
 from collections.abc import Callable

@@ -214,9 +214,9 @@ def _on_meta() -> bool:
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
     """An embedding table; on the meta device left empty for `init_weights`. nn.Embedding(num, dim)
-    would fill it with N(0, 1) first, and normal_ on the meta device loads TorchDynamo (1.6 s for
-    every process that builds a model: each driver and `raychat.plan` builds one to count its
-    parameters) to compute nothing."""
+    would fill it with N(0, 1) first, and normal_ on the meta device loads TorchDynamo, seconds of
+    start-up, to compute nothing. Every driver and every `raychat.plan` builds a model on the meta
+    device to count its parameters."""
     return nn.Embedding(num, dim, _weight=torch.empty(num, dim)) if _on_meta() else nn.Embedding(num, dim)
 
 
@@ -402,8 +402,8 @@ class GPT(nn.Module):
 
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
     """`model.to_empty(device=device)`, allocated with `torch.empty` instead of `empty_like`: on a
-    meta tensor `empty_like` runs PyTorch's Python reference, whose first call imports sympy, which
-    cost every worker 1-2 s of its start on a 2-core CPU (torch 2.13). Same tensors, values unset."""
+    meta tensor `empty_like` runs PyTorch's Python reference, whose first call imports sympy (torch
+    2.13), a noticeable part of a worker's start on a small CPU. Same tensors, values unset."""
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 

@@ -3,7 +3,8 @@
 Why: run eagerly, the plain chain (lm_head -> /cap -> tanh -> *cap -> log_softmax, then their
 gradients) materialises a dozen fp32 tensors of [rows, vocab], 537 MB each at d4 with B=8, T=512 and
 vocab 32,768. glibc serves blocks over 32 MB with mmap and unmaps them on free, so every step page-
-faults gigabytes back in: ~40% of an eager CPU step was system time (bench/RESULTS.md, "Step").
+faults gigabytes back in, and an eager CPU step spent much of its time in the kernel doing so
+(bench/RESULTS.md, "Step").
 
 Here the rows pass in chunks (512 at vocab 32,768: 64 MB of fp32 logits) through two or three
 buffers allocated once per call and overwritten in place, so a step faults in those buffers only.

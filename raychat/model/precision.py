@@ -5,11 +5,10 @@ and `--fp8` additionally runs the transformer's large matmuls in float8 (raychat
 
 auto picks bf16 on CUDA SM80+ (Ampere and later: native bf16 tensor cores) and on CPUs with native
 bf16 instructions (avx512_bf16 or amx_bf16 among /proc/cpuinfo's flags), fp32 elsewhere. Both CPU
-rules are measurements: on a Xeon with avx512_bf16 (2026-12-01, `python -m bench.step --configs A,B
---modes eager --dtypes fp32,bf16`) bf16 ran config A at 1.99x and B at 2.44x the tokens/s of fp32,
-and the `--preset cpu` quick start (200 steps) ended at val bpb 2.0144 in bf16 against 2.0173 in
-fp32; on CPUs without those instructions bf16 is emulated (a bf16 matmul ran 28x slower than fp32:
-bench/RESULTS.md, "Precision on CPU"), so there `--dtype bf16` is refused. A model built without a
+rules were measured (bench/RESULTS.md, "Precision on CPU"). On a CPU with those instructions bf16
+trains about twice as fast as fp32 and ends the quick start at the same val bpb. On a CPU without
+them PyTorch emulates bf16 matmuls, far slower than fp32, so there `--dtype bf16` is refused. A
+model built without a
 precision (library use: raychat.sample, tests) computes in `auto_dtype(device)`: bf16 on CUDA SM80+.
 
 FP8 needs CUDA SM89+ (Ada, Hopper, Blackwell: float8 tensor cores). RAYCHAT_FP8_EMULATE=1 runs

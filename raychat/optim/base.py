@@ -15,9 +15,9 @@ Every param group carries "names" (its parameters' names, the keys of the saved 
 "initial_lr": the step sets lr = initial_lr x the schedule's multiplier for every optimizer alike.
 
 It keeps torch.optim.Optimizer's shape (`param_groups`, `state`, `step()`) but is not one: that base
-class loads TorchDynamo the first time it is built (`torch._disable_dynamo` wraps its methods),
-about 2 s of CPU in each worker, paid again by every restart of a CPU run (on a loaded 2-core host
-it was most of a restart's restore). A run sets the lr itself and needs nothing else of torch's
+class loads TorchDynamo the first time it is built (`torch._disable_dynamo` wraps its methods):
+seconds of CPU in each worker, paid again by every restart of a CPU run, where it was most of a
+restart's restore on a small, busy host. A run sets the lr itself and needs nothing else of torch's
 class; a compiled (GPU) run loads TorchDynamo for the model anyway.
 """
 

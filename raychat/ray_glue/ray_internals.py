@@ -27,8 +27,8 @@ from ray.experimental import internal_kv
 
 # Ray Train's private names are imported where they are used, not here: every Ray worker process of
 # a run imports this module as it starts (raychat.ray_glue.runtime_env's setup hook), and importing
-# ray.train there cost each replica holder, the coordinator and every Ray Data task process ~1 s of
-# CPU it never used.
+# ray.train there would cost each replica holder, the coordinator and every Ray Data task process
+# CPU time at start for names it never uses.
 
 # The dispatcher that hands every batch of worker output forwarded to the driver to its printers
 # (`handlers`, `add_handler`, `remove_handler`). Ray has no public per-line opt-out of its
@@ -64,14 +64,14 @@ AUTOSCALING_COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")
 
 
 def without_dataset_manager(callbacks: list, datasets: dict) -> list:
-    """A trainer's default callbacks (`DataParallelTrainer._create_default_callbacks`, private, which
-    raychat.run.driver.RaychatTrainer, Ray's TorchTrainer otherwise, overrides with this: the one reason
-    raychat subclasses Ray's trainer) less Ray Train's Ray Data set-up when it was given no
-    datasets. That callback starts a DatasetManager actor at every attempt (a process of its own that
-    imports Ray Data, on the CPUs the worker group starts on, at every start and restart) and
-    sends the driver's Ray Data context to every worker, whether or not a worker ever asks for a
-    dataset shard. raychat's workers never do: each builds its own pipeline (raychat.data.loader).
-    Nothing public leaves it out."""
+    """A trainer's default callbacks, less Ray Train's Ray Data set-up when it was given no datasets.
+
+    raychat.run.driver.RaychatTrainer overrides `DataParallelTrainer._create_default_callbacks`
+    (private) with this, and that is the one reason it subclasses Ray's TorchTrainer. The set-up
+    callback starts a DatasetManager actor at every start and restart, a process of its own that
+    imports Ray Data on the CPUs the worker group starts on. It also sends the driver's Ray Data
+    context to every worker, whether or not a worker ever asks for a dataset shard. raychat's workers
+    never do: each builds its own pipeline (raychat.data.loader). Nothing public leaves it out."""
     from ray.train.v2._internal.callbacks import DatasetsCallback
 
     if datasets:

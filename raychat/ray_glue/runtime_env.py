@@ -47,8 +47,8 @@ def set_up_worker_process() -> None:
     Ray Train's placement-group cleaner and state actor ask the state API whether an actor lives,
     without an address, and Ray answers from the cluster the machine's last `ray start` recorded
     when nothing else names one (raychat.ray_glue.ray_internals.pin_state_api_to_this_cluster). Asking a
-    cluster that is gone stalled the end of every run by 13-50 s (the cleaner's stop timed out) and
-    failed the state actor's checks. RAY_ADDRESS stays as it is: raychat reads it as "the driver
+    cluster that is gone stalled the end of every run until the cleaner's stop timed out, and failed
+    the state actor's checks. RAY_ADDRESS stays as it is: raychat reads it as "the driver
     joined a cluster" (raychat.model.precision, raychat.model.compile_check, raychat.evaluate)."""
     from raychat.ray_glue.quiet import quiet_ray
     from raychat.ray_glue.ray_internals import pin_state_api_to_this_cluster

@@ -66,8 +66,8 @@ ELASTIC_START_TIMEOUT_S = "5"
 # before the node goes; one GCS query a second per run costs nothing.
 PREEMPTION_POLL_INTERVAL_S = "1"
 # How often Ray Train's controller polls its workers: a dead worker is noticed, and a finished run
-# ends, at the next poll. Ray's 2 s default cost every run ~2.5 s between its last report and its end
-# (a tiny run here: 3.2 s -> 0.7 s) and every failure up to 2 s of detection. A poll is one small
+# ends, at the next poll. Ray's 2 s default cost every run seconds between its last report and its
+# end, and every failure up to 2 s of detection (bench/RESULTS.md, "Start-up"). A poll is one small
 # actor call per worker; a poll that hangs is waited on, not a failure (for 10 minutes).
 HEALTH_CHECK_INTERVAL_S = "0.5"
 
@@ -113,9 +113,9 @@ def connect_ray(cfg: TrainConfig) -> bool:
 
 def disconnect_ray() -> None:
     """Leave the cluster (or stop the local instance) connect_ray joined, once the run is over. Ray
-    does it at exit as well, after sleeping 0.5 s for the workers' last log lines; a finished run's
-    workers printed theirs before returning from the loop, which Ray Train notices at its next poll
-    (0.5 s) and then ends the group: 0.6-1.3 s before fit() returns on 2 cores, idle to loaded."""
+    does it at exit as well, but only after sleeping 0.5 s for the workers' last log lines, which a
+    finished run no longer needs: its workers printed theirs before returning from the loop, and
+    fit() returned only after Ray Train saw that at its next poll and ended the group."""
     ray.shutdown()
 
 

@@ -139,11 +139,12 @@ def ledger(records: list[dict[str, Any]]) -> Ledger:
             s["startup"] = max(0.0, first_start - launched - pre_eval - pre_ckpt)
             wall_from = launched
         else:
-            # Steps the ended attempt finished whose records never reached the log (held back for up to
-            # a second on local disk, 30 s in a bucket, when rank 0 was killed, and past the memory
-            # replica the attempt resumed from, which carried those before it) are known from the
-            # coordinator: redone, not waiting. Only when the
-            # coordinator saw a step the log did not: its progress call follows the step's record.
+            # Some steps the ended attempt finished never reached the log: rank 0 was killed while it
+            # held their records back (up to a second on local disk, 30 s in a bucket), and they lie
+            # past the memory replica the next attempt resumed from, which carried the records before
+            # it. The coordinator knows those steps, and they count as redone, not waiting. That is
+            # only when the coordinator saw a step the log did not, as rank 0's progress call follows
+            # each step's record.
             unlogged = (start.get("last_progress_step") or -1) > last_logged
             lost_at = max(end, min(start.get("last_progress") or end, t_start)) if unlogged else end
             noticed = min(max(start.get("noticed") or lost_at, lost_at), t_start)
