@@ -49,14 +49,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from bench.chaos_audit import CheckpointWatch, progress
 from bench.chaos_report import audit_run, machine, print_table, run_ledger, write_results
 from bench.multinode import (
     TRAIN,
     add_node,
-    kill_node,
     local_cluster,
-    node_of_pid,
     prepare_inputs,
     start_driver,
     tiny_run_flags,
@@ -64,6 +61,8 @@ from bench.multinode import (
 )
 from raychat.storage import Storage
 from raychat.telemetry.metrics_log import parse_records, read_log
+from testkit.chaos_audit import CheckpointWatch, progress, replicas_cover
+from testkit.processes import kill_node, node_of_pid
 
 ALL_KINDS = ("kill_worker", "node_loss", "node_swap", "spot_drain", "kill_driver", "short_horizon",
              "second_driver")
@@ -193,22 +192,9 @@ class ChaosRun:
                 and self.watch.newest >= 0)
 
     def memory_covers(self) -> bool:
-        """Whether peer memory holds every rank's state at or past the newest checkpoint saved (whole,
-        or submitted at a step of --save-every's), with none due in the next three steps. Else a restart
-        rightly restores the checkpoint: right after a restart (the attempt's first replica comes a few
-        steps in) or a save that lands as the node goes, which is not what a node swap is there to
-        test. (Under the auto cadence, `save_every` None, only the whole checkpoints are known.)"""
-        now = progress(self.trace)
-        held = [now.replicas.get(rank) for rank in range(now.world_size)]
-        if any(step is None for step in held):
-            return False
-        newest = self.watch.newest
-        if self.save_every:  # the loop is at step now.step + 1, where a save may be under way
-            newest = max(newest, self.save_every * ((now.step + 1) // self.save_every))
-            # the next three steps: the node takes ~1 s to go
-            if any((now.step + ahead) % self.save_every == 0 for ahead in (2, 3, 4)):
-                return False
-        return min(held) >= newest
+        """Whether a node swap may land now (testkit.chaos_audit.replicas_cover): peer memory holds
+        every rank's state at or past the newest checkpoint, with none due in the next three steps."""
+        return replicas_cover(progress(self.trace), self.watch.newest, self.save_every)
 
     def recovered(self, world_size: int | None = None) -> bool:
         now = progress(self.trace)

@@ -1,4 +1,4 @@
-"""bench.chaos's verdict on each run (from bench.chaos_audit's counts) and its table, printed and
+"""bench.chaos's verdict on each run (from testkit.chaos_audit's counts) and its table, printed and
 added to bench/RESULTS.md."""
 
 import os
@@ -6,11 +6,11 @@ import platform
 import time
 from pathlib import Path
 
-from bench.chaos_audit import attempt_spans, document_counts, read_records, redone_by_attempt, weights_equal
 from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
 from raychat.storage import Storage
 from raychat.telemetry.ledger import Ledger
 from raychat.telemetry.metrics_log import read_timeline
+from testkit.chaos_audit import attempt_spans, document_counts, read_records, redone_by_attempt, weights_equal
 
 SECTION = "## Chaos: faults on a multi-node cluster (bench/chaos.py)"
 INTRO = ("`python -m bench.chaos` (see its --help): an elastic run (`--num-workers 1:2`, tiny d2 model, "

@@ -52,7 +52,6 @@ import ray
 import torch
 
 from bench.os_bytes import os_bytes
-from bench.s3_server import start_moto
 from raychat.checkpoint.format import MANIFEST_FILE, checkpoint_dir_name, damage, rank_file
 from raychat.checkpoint.meta import CheckpointMeta, LoopState
 from raychat.checkpoint.reader import CheckpointReader
@@ -69,6 +68,7 @@ from raychat.optim.muon_adamw import build_optimizer
 from raychat.scaling import resolve_plan
 from raychat.storage import Storage
 from raychat.worker.state import apply_share, read_share, state_pieces
+from testkit.s3_server import start_moto
 
 BUCKET = "raychat-bench"
 MB = 1e6

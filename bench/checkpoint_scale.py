@@ -43,7 +43,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.os_bytes import os_bytes
-from bench.s3_server import start_moto
 from raychat.checkpoint.format import damage, latest_valid_checkpoint, read_manifest, read_meta
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.resume import Restore
@@ -55,6 +54,7 @@ from raychat.optim.base import ShardedOptimizer
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.storage import Storage
 from raychat.worker.state import apply_share, read_share, state_pieces
+from testkit.s3_server import start_moto
 
 VOCAB, SEQ, ROWS, STEP = 8192, 256, 4, 1
 MB_FIELDS = ("checkpoint_bytes", "written_bytes_max_rank", "read_bytes_max_rank", "read_bytes_total",

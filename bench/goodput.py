@@ -12,7 +12,7 @@ detection the shipped cluster configs set (cluster/h100.yaml's --system-config),
     beside the steps the tier it restored from bounds a loss to (the memory replicas' interval, or the
     storage cadence's);
   - the time lost per fault, and the goodput that loss gives at one fault every 10 minutes;
-  - the exactly-once audit of the faulted run (bench.chaos_audit): every epoch-1 document trained
+  - the exactly-once audit of the faulted run (testkit.chaos_audit): every epoch-1 document trained
     once by its final timeline.
 
 Kinds: node_loss (a worker's node removed without notice and added back once the run shrank),
@@ -31,19 +31,25 @@ the machine.
 
 import argparse
 import json
-import math
 import os
 import random
-import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
 from bench.chaos import ChaosRun, Context, Fault, RunSpec
-from bench.chaos_audit import progress
 from bench.chaos_report import add_to_section, audit_run, machine, run_ledger
 from bench.multinode import local_cluster, prepare_inputs, use_token_auth
+from testkit.chaos_audit import progress
+from testkit.goodput_bounds import (
+    cadences,
+    fault_bounds,
+    loss_bound,
+    replica_bound,
+    shipped_health_checks,
+    steady_goodput,
+)
 
 KINDS = ("node_loss", "node_swap", "spot_drain", "kill_worker")
 TEN_MINUTES_S = 600.0
@@ -52,43 +58,6 @@ INTRO = ("`python -m bench.goodput` (see its --help): the same elastic run (`--n
          "model, the default auto checkpoint cadence) undisturbed and with one fault every N minutes, on a "
          "`ray.cluster_utils.Cluster` with the shipped configs' health checks; goodput from each run's "
          "ledger.")
-CADENCE = re.compile(r"every (\d+) steps \(~[\d.]+s; step (\d+)ms, save stall \d+ms, written in ([\d.]+)s\)")
-REPLICAS = re.compile(r"Memory replicas: every (\d+) step\(s\) \(copy \d+ms = ([\d.]+)% of training")
-
-
-def shipped_health_checks(config: Path = Path("cluster/h100.yaml")) -> dict:
-    """The `--system-config` JSON the shipped head starts Ray with."""
-    found = re.search(r"--system-config='(\{[^']*\})'", config.read_text())
-    if found is None:
-        raise SystemExit(f"{config} starts Ray without --system-config: nothing to measure against")
-    return json.loads(found.group(1))
-
-
-def loss_bound(log: str) -> int | None:
-    """The most steps a loss may redo under the cadence last logged in `log`: the interval plus the
-    steps trained while the save was written, plus the step in flight."""
-    found = CADENCE.findall(log)
-    if not found:
-        return None
-    every, step_ms, write_s = found[-1]
-    return int(every) + math.ceil(1000 * float(write_s) / max(int(step_ms), 1)) + 1
-
-
-def replica_bound(log: str) -> int | None:
-    """The most steps a loss restored from peer memory may redo under the replica interval last logged
-    in `log`: the interval, twice when the newest replica was still being sent as the node went (its
-    holders keep the one before), plus the step in flight."""
-    found = REPLICAS.findall(log)
-    return 2 * int(found[-1][0]) + 1 if found else None
-
-
-def cadences(log: str) -> str:
-    """The intervals the auto cadences last chose in a driver's log: storage saves and memory replicas."""
-    saves, replicas = CADENCE.findall(log), REPLICAS.findall(log)
-    said = [f"storage saves every {saves[-1][0]} steps" if saves else "no storage cadence logged"]
-    if replicas:
-        said.append(f"memory replicas every {replicas[-1][0]} step(s) (copy {replicas[-1][1]}% of training)")
-    return ", ".join(said)
 
 
 class FaultEveryNMinutes(ChaosRun):
@@ -196,21 +165,6 @@ def measure(args: argparse.Namespace, out: Path, temp_dir: str) -> dict:
     return {"started": started, "seconds": round(time.time() - started, 1), "machine": machine(),
             "fault": args.fault, "every_min": args.every_min, "steps": args.steps, "health_checks": health,
             **results}
-
-
-def steady_goodput(seconds: dict[str, float], wall_s: float) -> float | None:
-    """Goodput without the run's one-off costs: the first start-up and the evaluation, which the bench's
-    runs do once, at the end (--eval-every -1). A run many times longer than the bench's approaches it."""
-    steady_wall = wall_s - seconds.get("startup", 0.0) - seconds.get("eval", 0.0)
-    return seconds.get("training", 0.0) / steady_wall if steady_wall > 0 else None
-
-
-def fault_bounds(run: dict) -> list[tuple[str, int | None]]:
-    """Each fault's bound on the steps it may redo, by the tier it was restored from: the memory
-    replicas' interval for a restore from peer memory (its note says so), else the storage cadence's."""
-    replica_bounds = run.get("replica_bounds") or [None] * len(run["bounds"])
-    return [("replica", replica) if "(peer memory)" in (f.get("note") or "") else ("cadence", durable)
-            for f, durable, replica in zip(run["faults"], run["bounds"], replica_bounds, strict=True)]
 
 
 def lost_per_fault(summary: dict) -> float | None:

@@ -4,7 +4,7 @@
     python -m bench.lease_race --trials 20 --storage s3 --json
 
 Each trial starts 2-4 drivers (seeded) on a fresh run at one moment. On S3 every other driver talks
-to the bucket through the fault proxy (bench.s3_fault_proxy), its lease writes delayed by a seeded
+to the bucket through the fault proxy (testkit.s3_fault_proxy), its lease writes delayed by a seeded
 0-1.5 s: the old write-sleep-reread lease let both drivers in once one PUT was 1.3 s slower. A trial
 counts a double writer when more than one driver believes it holds the run, or when more than one
 lease epoch was created.
@@ -13,44 +13,14 @@ lease epoch was created.
 import argparse
 import json
 import random
-import threading
 import time
 
 from raychat.checkpoint import fence
-from raychat.common import RaychatError, run_cli
-from raychat.elastic.lease import RunLease
+from raychat.common import run_cli
 from raychat.storage import Storage
+from testkit.lease_race import race
 
 BUCKET = "raychat-lease-race"
-
-
-def race(runs: list[Storage], rng: random.Random, heartbeat_s: float = 0.5) -> list[str]:
-    """One driver per entry of `runs` (views of one run directory, e.g. direct and proxied) acquires
-    at the same moment, after a seeded jitter of a few ms; "won" or the line each refusal said. The
-    heartbeat is long beside the race: with a 50 ms beat, a loaded machine's scheduler stalls a
-    winner's beats long enough for a legitimate takeover, which is not a race lost."""
-    start = threading.Barrier(len(runs))
-    outcomes = [""] * len(runs)
-    leases = [RunLease(run, heartbeat_s=heartbeat_s) for run in runs]
-    jitter = [rng.uniform(0, 0.004) for _ in runs]
-
-    def go(i: int) -> None:
-        start.wait()
-        time.sleep(jitter[i])
-        try:
-            leases[i].acquire(floor=lambda: 0, log=lambda _: None)
-            outcomes[i] = "won"
-        except RaychatError as e:
-            outcomes[i] = str(e)
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(runs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for lease in leases:
-        lease.release()
-    return outcomes
 
 
 def run_trials(kind: str, trials: int, seed: int) -> dict:
@@ -67,8 +37,8 @@ def run_trials(kind: str, trials: int, seed: int) -> dict:
             double += outcomes.count("won") != 1 or len(fence.epochs(run)) != 1
             refused += len(outcomes) - outcomes.count("won")
     else:
-        from bench.s3_fault_proxy import S3FaultProxy
-        from bench.s3_server import start_moto
+        from testkit.s3_fault_proxy import S3FaultProxy
+        from testkit.s3_server import start_moto
 
         server, endpoint = start_moto(BUCKET)
         try:

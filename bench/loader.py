@@ -17,7 +17,7 @@ Prints, per (B, T): sustained tokens/sec of both, their ratio (target >= 3x) and
 consumed tokens each dropped by crops (should agree within 1 point).
 
 With --bucket it instead compares raychat's loader on the same corpus read from local disk and from
-an S3 bucket (moto on 127.0.0.1 in its own process, bench/s3_server.py), once per first-byte delay
+an S3 bucket (moto on 127.0.0.1 in its own process, testkit/s3_server.py), once per first-byte delay
 the server adds to every request (a real bucket: 20-50 ms): tokens/s from the bucket over tokens/s
 from disk in the same run (target >= 0.9x), and the bytes the server sent over the bytes of the
 documents delivered (range reads: ~1x plus each read's footer tail; read-ahead in flight counts).
@@ -35,7 +35,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from bench.s3_server import start_moto
 from raychat.common import RaychatError, default_data_dir, run_cli
 from raychat.corpus.index import CorpusIndex, list_shards, read_unit_texts
 from raychat.data.loader import TrainLoader
@@ -43,6 +42,7 @@ from raychat.data.packer import BestFitPacker
 from raychat.storage import Storage
 from raychat.tokenizer.core import Tokenizer, available_cores
 from raychat.tokenizer.train import train_tokenizer
+from testkit.s3_server import start_moto
 
 CONFIGS = [(8, 2048), (32, 512)]
 

@@ -35,13 +35,13 @@ from bench.multinode import (
     STEP,
     add_node,
     follow,
-    kill_node,
     local_cluster,
     prepare_inputs,
     start_driver,
     tiny_run_flags,
     use_token_auth,
 )
+from testkit.processes import kill_node
 
 SETTINGS = {
     "default": ({}, {}),

@@ -24,7 +24,7 @@ from core_bundle import write_word_bundle
 from helpers import hub_files, run_train, tiny_flags
 from reused_processes import Commands, Ranks
 
-from bench.multinode import stop_processes_under
+from testkit.processes import stop_processes_under
 
 # Tests never reach the internet: corpus preparation falls back to the offline sample corpus.
 os.environ.setdefault("RAYCHAT_OFFLINE", "1")
@@ -154,10 +154,13 @@ def s3_uri(endpoint: str, prefix: str, bucket: str = TEST_BUCKET) -> str:
     return f"s3://{bucket}/{prefix}?endpoint_override={endpoint}&scheme=http"
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=[pytest.param("local", marks=pytest.mark.unit),
+                        pytest.param("s3", marks=pytest.mark.integration)])
 def storage(request, tmp_path):
     """Where a test's runs live, once on local disk and once in the S3 bucket (a fresh prefix per
-    test): a local path or an s3:// URI with its endpoint in the query, as a user passes it."""
+    test): a local path or an s3:// URI with its endpoint in the query, as a user passes it. The two
+    are tiered here (local: unit; s3: integration, moto's server), so a test that takes both carries
+    no tier of its own; one that picks one (`indirect=True`) carries its own."""
     if request.param == "local":
         return str(tmp_path / "storage")
     endpoint = request.getfixturevalue("s3_endpoint")
@@ -258,14 +261,27 @@ def ranks_started_early(request):
         request.getfixturevalue("ranks").start(3)
 
 
-# Tiers: `pytest -m unit` is the fast check before every commit (no Ray instance, no cluster, no
-# training run); the full `pytest` is what CI runs. A test is a unit test unless it is marked ray,
-# cluster or slow, or asks for the shared Ray instance.
-NOT_UNIT = {"ray", "cluster", "slow"}
+# Tiers (pyproject.toml declares them; README.md says how to run each): every test names its own, in
+# its module (`pytestmark = pytest.mark.unit`) or on the test, and a test that names none is refused
+# here, before `-m` selects anything, so no test lands unclassified. `unit` starts nothing: no
+# process, no server, no Ray, no gloo ranks; `integration` starts servers, subprocesses or ranks but
+# no Ray; `ray`, `cluster` and `slow` as declared. A test that uses one of the fixtures below starts
+# what it says, so it is not a unit test: that is refused too, as is `unit` beside another tier.
+TIERS = ("unit", "integration", "ray", "cluster", "slow")
+STARTS = {"ray_session": "the shared Ray instance", "two_worker_run": "training runs on Ray",
+          "s3_endpoint": "moto's S3 server", "ranks": "gloo ranks", "commands": "a reused interpreter"}
 
 
 def pytest_collection_modifyitems(config, items):
+    refused = []
     for item in items:
-        marks = {mark.name for mark in item.iter_markers()}
-        if not NOT_UNIT & marks and "ray_session" not in item.fixturenames:
-            item.add_marker(pytest.mark.unit)
+        tiers = [name for name in TIERS if item.get_closest_marker(name) is not None]
+        started = [f"{name} ({what})" for name, what in STARTS.items() if name in item.fixturenames]
+        if not tiers:
+            refused.append(f"{item.nodeid}: no tier marker; mark it, or its module, {' or '.join(TIERS)}")
+        elif "unit" in tiers and len(tiers) > 1:
+            refused.append(f"{item.nodeid}: marked unit and {', '.join(t for t in tiers if t != 'unit')}")
+        elif tiers == ["unit"] and started:
+            refused.append(f"{item.nodeid}: marked unit but uses {', '.join(started)}")
+    if refused:
+        raise pytest.UsageError("tests without a tier (tests/conftest.py, TIERS):\n  " + "\n  ".join(refused))

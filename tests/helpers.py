@@ -103,7 +103,7 @@ def gone_cluster_recorded() -> Iterator[str]:
     """A private RAY_TMPDIR whose ray_current_cluster names a cluster that is gone (127.0.0.1:1), as
     a machine's last `ray start` leaves it: a command that lets ray.init() find "the machine's cluster"
     there fails. Whatever Ray started under it is stopped at the end."""
-    from bench.multinode import stop_processes_under
+    from testkit.processes import stop_processes_under
 
     ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths stay < 108 chars
     os.makedirs(os.path.join(ray_tmp, "ray"))

@@ -3,9 +3,10 @@ than most of what the tests run in them (conftest.py has the fixtures):
 
 - `Commands`: `python -m MODULE ARGS` as a user runs it (its exit code, stdout and stderr, the latter two
   captured at the file descriptors, so output from C code counts too), many commands in one interpreter.
-  As in tests/test_cli.py's --help check, our modules (raychat, tune, bench) are forgotten before each
-  command, so a command that works only after another's imports fails here as it would alone; each
-  command gets its own environment, working directory, sys.path, argv, and warnings shown afresh.
+  As in tests/test_cli.py's --help check, our modules (raychat, tune, bench, testkit) are forgotten
+  before each command, so a command that works only after another's imports fails here as it would
+  alone; each command gets its own environment, working directory, sys.path, argv, and warnings shown
+  afresh.
   Other libraries stay imported, and read what they read of the environment at import once (e.g.
   torch inductor's CXX): a test's commands may differ in what raychat reads when it runs, not in that.
   After each command, what a fresh process's exit would have done or shown is done here: Ray left
@@ -47,7 +48,7 @@ for name in json.loads(sys.argv[1]):  # preloaded: their loggers exist before th
 THREAD_GRACE_S = float(sys.argv[2])
 START_ENV, START_CWD, START_FILTERS = dict(os.environ), os.getcwd(), list(warnings.filters)
 BASE_PATH = sys.path[1:]  # without -c's '' (and started without PYTHONPATH)
-OURS = ("raychat", "tune", "bench")
+OURS = ("raychat", "tune", "bench", "testkit")
 # Ctrl-C as a shell's `python -m` has it, even where the process that started this one ignored it (an
 # ignored signal is inherited); the handlers every command starts with.
 signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -44,6 +44,7 @@ def random_qkv(T, n_head, n_kv_head, dtype=torch.float64, seed=0):
     return q, k, v
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("n_head,n_kv_head", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("window", [0, 1, 5, 18, 19, 64])
 def test_cpu_paths_match_reference(n_head, n_kv_head, window):
@@ -54,12 +55,14 @@ def test_cpu_paths_match_reference(n_head, n_kv_head, window):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.unit
 def test_float32_path_matches_reference():
     q, k, v = random_qkv(33, 4, 2, dtype=torch.float32, seed=3)
     expected = reference_attention(q.double(), k.double(), v.double(), 7)
     torch.testing.assert_close(causal_attention(q, k, v, 7).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_bool_mask_by_hand():
     # T=4, window 1: each query sees itself and the one token before it
     expected = torch.tensor([[1, 0, 0, 0],
@@ -71,6 +74,7 @@ def test_bool_mask_by_hand():
     assert torch.equal(sliding_window_bool_mask(3, 0, torch.device("cpu")), torch.eye(3, dtype=torch.bool))
 
 
+@pytest.mark.unit
 def test_window_changes_output_only_beyond_the_window():
     T, window = 24, 6
     q, k, v = random_qkv(T, 2, 2, seed=5)
@@ -81,6 +85,7 @@ def test_window_changes_output_only_beyond_the_window():
     assert (windowed[:, :, window + 1:] - full[:, :, window + 1:]).abs().amax() > 1e-3
 
 
+@pytest.mark.unit
 def test_masks_are_cached_and_skipped_when_window_covers_sequence():
     cpu = torch.device("cpu")
     first = layer_masks(16, [4, 15, 100, 4], cpu)
@@ -90,6 +95,7 @@ def test_masks_are_cached_and_skipped_when_window_covers_sequence():
     assert first[0].shape == (16, 16) and first[0].dtype == torch.bool
 
 
+@pytest.mark.unit
 def test_backend_choice(monkeypatch):
     assert attention_backend(torch.device("cpu")) == "sdpa"
     monkeypatch.setenv("RAYCHAT_ATTENTION", "flex")
@@ -105,6 +111,7 @@ def test_backend_choice(monkeypatch):
         attention_backend(torch.device("cpu"))
 
 
+@pytest.mark.unit
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("n_head,n_kv_head", [(4, 4), (4, 2)])
 def test_flex_block_mask_matches_reference(n_head, n_kv_head):
@@ -120,6 +127,7 @@ def test_flex_block_mask_matches_reference(n_head, n_kv_head):
     torch.testing.assert_close(got, reference_attention(q, k, v, window), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.integration  # torch.compile: inductor runs a C++ compiler
 @pytest.mark.parametrize("n_head,n_kv_head", [(4, 4), (4, 2)])
 def test_compiled_flex_on_cpu_matches_masked_sdpa(monkeypatch, n_head, n_kv_head):
     """The CUDA path as the model runs it (layer_masks -> BlockMask -> compiled FlexAttention), on CPU,
@@ -143,6 +151,7 @@ def test_compiled_flex_on_cpu_matches_masked_sdpa(monkeypatch, n_head, n_kv_head
     assert (causal_attention(q, k, v, T) - causal_attention(q, k, v, 128, sdpa_masks[0])).abs().amax() > 1e-2
 
 
+@pytest.mark.unit
 def test_flex_block_mask_gradients_are_the_masked_sdpa_gradients():
     """PyTorch 2.13 has no FlexAttention backward on CPU (it raises), so the GPU path's gradients are
     checked through what defines them: the block mask's mask_mod, evaluated densely over all (q, kv),
@@ -168,6 +177,7 @@ def test_flex_block_mask_gradients_are_the_masked_sdpa_gradients():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.integration  # a subprocess
 def test_the_model_never_loads_torchdynamo():
     """TorchDynamo costs every process that loads it 1.6 s (each CLI and driver: they plan the model):
     the worker loop imported, a model built as everyone builds it (shapes on meta, then init) and an

@@ -1,10 +1,15 @@
 """bench.goodput reads two things written elsewhere: the cadence line the trainer logs and the health
 checks the shipped cluster config starts Ray with. Both are checked against their writers here, so a
-changed log line or config cannot leave the bench measuring nothing."""
+changed log line or config cannot leave the bench measuring nothing. The readers are
+testkit.goodput_bounds, which bench.goodput imports."""
 
 from pathlib import Path
 
-from bench.goodput import (
+import pytest
+
+from raychat.elastic.cadence import choose_interval
+from raychat.elastic.replicas import Replicator
+from testkit.goodput_bounds import (
     cadences,
     fault_bounds,
     loss_bound,
@@ -12,8 +17,8 @@ from bench.goodput import (
     shipped_health_checks,
     steady_goodput,
 )
-from raychat.elastic.cadence import choose_interval
-from raychat.elastic.replicas import Replicator
+
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
 

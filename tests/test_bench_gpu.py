@@ -1,5 +1,6 @@
 """`python -m bench.gpu --dry-run`: the GPU acceptance run runs every part on CPU, so it cannot rot
-before a GPU is lent. Run as the user would, as a subprocess; its JSON must hold every measurement."""
+before a GPU is lent. Run as the user would, as a subprocess; its JSON must hold every measurement.
+The acceptance row of a GPU node's report is testkit.gpu_report's, which bench.gpu writes with."""
 
 import json
 import os
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu import NANOCHAT_PUBLISHED, ROW_HEADER, markdown_row
+from testkit.gpu_report import NANOCHAT_PUBLISHED, ROW_HEADER, markdown_row
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,6 +68,7 @@ def test_dry_run_writes_every_part(tmp_path):
     assert "| tiny | SSSL |" in done.stdout and "For bench/RESULTS.md" in done.stdout
 
 
+@pytest.mark.unit
 def test_one_gpus_row_says_what_it_skipped_and_quotes_nanochat():
     """On one GPU there is no bus to measure and no other world size to resume at: the row says so, and
     quotes nanochat's published figure for the depth as a reference."""

@@ -55,6 +55,7 @@ def range_bytes(request: dict) -> int:
     return int(last) - int(first) + 1
 
 
+@pytest.mark.integration  # moto's S3 server, commands in a reused interpreter
 def test_corpus_commands_range_reads_and_damage_on_a_bucket(commands, s3_endpoint):
     uri = s3_uri(s3_endpoint, f"synthetic-{time.time_ns()}")
     # One train shard of 3 row groups (1024 + 1024 + 452 documents) and a val shard of 500.
@@ -96,6 +97,7 @@ def test_corpus_commands_range_reads_and_damage_on_a_bucket(commands, s3_endpoin
     assert time.monotonic() - started < 3
 
 
+@pytest.mark.integration  # moto's S3 server, a local HTTP server
 def test_download_streams_the_hub_into_a_bucket_and_resumes(s3_endpoint, served_files, tmp_path,
                                                              monkeypatch, capsys):
     uri = s3_uri(s3_endpoint, f"climbmix-{time.time_ns()}")
@@ -129,6 +131,7 @@ def test_download_streams_the_hub_into_a_bucket_and_resumes(s3_endpoint, served_
     assert index.num_train_docs == NUM_TRAIN * 1100
 
 
+@pytest.mark.integration  # moto's S3 server
 def test_a_tokenizer_in_a_bucket_is_copied_once_per_node(s3_endpoint, tiny_corpus, tmp_path, monkeypatch):
     tokenizer_dir = tiny_corpus[1]
     uri = s3_uri(s3_endpoint, f"tokenizer-{time.time_ns()}")
@@ -237,6 +240,7 @@ def test_a_shard_deleted_mid_run_ends_the_run_in_one_line(ray_session, tiny_corp
     assert len(log_lines(out, STEP_LINE)) < 200
 
 
+@pytest.mark.integration  # moto's S3 server, commands in a reused interpreter
 def test_a_corpus_written_to_a_bucket_that_cannot_take_it_is_one_line(commands, s3_endpoint):
     """`synthetic --out` (as every command that writes a corpus) to a bucket that does not exist or an
     endpoint whose host does not resolve: one line naming --out, the bucket and the fix, no traceback."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.multinode import stop_processes_under
+from testkit.processes import stop_processes_under
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(800)]
 

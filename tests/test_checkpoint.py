@@ -67,6 +67,7 @@ def trained(steps: int = 2):
     return model, optimizer
 
 
+@pytest.mark.unit
 def test_round_trip_is_bit_exact_and_the_files_are_plain_safetensors(tmp_path):
     model, optimizer = trained()
     state = tiny_state()
@@ -91,6 +92,7 @@ def test_round_trip_is_bit_exact_and_the_files_are_plain_safetensors(tmp_path):
     assert saved_meta == meta(7, val_bpb=1.25)
 
 
+@pytest.mark.unit
 def test_a_resumed_optimizer_continues_exactly_like_the_uninterrupted_one(tmp_path):
     """The worker's own path at one rank: pieces -> saver -> read_share -> apply_share."""
     model, optimizer = trained(steps=2)
@@ -160,6 +162,7 @@ def test_missing_manifest_means_incomplete(storage):
     assert warnings == [f"skipping damaged checkpoint {newest}: no manifest.json (the save did not finish)"]
 
 
+@pytest.mark.unit
 def test_latest_by_step_by_write_time_and_on_empty_runs(tmp_path):
     """After --resume-from-step rewinds a run, its new checkpoints are the latest although the
     abandoned branch has higher step numbers (order: manifest time, whole seconds, then step)."""
@@ -187,6 +190,7 @@ def test_prune_keeps_the_newest_complete_ones(storage):
     assert prune_checkpoints(run, keep=0) == []  # 0: keep everything
 
 
+@pytest.mark.unit
 def test_a_partial_read_reads_only_the_blocks_it_needs(tmp_path):
     big = torch.arange(3 * BLOCK_BYTES // 4, dtype=torch.float32)  # 3 blocks
     save_checkpoint(tmp_path / "ckpt", {"w": big}, None, meta(1).to_json())
@@ -199,6 +203,7 @@ def test_a_partial_read_reads_only_the_blocks_it_needs(tmp_path):
     assert read == header + BLOCK_BYTES
 
 
+@pytest.mark.unit
 def test_the_record_round_trips_and_a_newer_version_is_refused_in_one_line():
     record = meta(3, loop_state=LoopState(step=3))  # min_val_bpb inf: JSON's Infinity
     assert CheckpointMeta.from_json(record.to_json()) == record
@@ -211,6 +216,7 @@ def test_the_record_round_trips_and_a_newer_version_is_refused_in_one_line():
     assert (old.step, old.world_size, old.sequence, old.model_config) == (5, 2, 0, GPTConfig())
 
 
+@pytest.mark.unit
 def test_async_writer_writes_the_snapshot_taken_at_submit(tmp_path):
     live = torch.zeros(1 << 20)
     written = {}
@@ -222,6 +228,7 @@ def test_async_writer_writes_the_snapshot_taken_at_submit(tmp_path):
     assert torch.equal(written["w"], torch.zeros(1 << 20))
 
 
+@pytest.mark.unit
 def test_async_write_failure_surfaces_in_wait(tmp_path):
     (tmp_path / "a-file").write_text("not a directory")
     saver = CheckpointSaver(Storage(str(tmp_path / "a-file")), keep=0, rank=0, world_size=1, log=print)
@@ -231,6 +238,7 @@ def test_async_write_failure_surfaces_in_wait(tmp_path):
     saver.close()
 
 
+@pytest.mark.unit
 def test_saving_a_step_again_replaces_it(tmp_path):
     run = Storage(str(tmp_path))
     for value in (0.0, 1.0):
@@ -244,6 +252,7 @@ def test_saving_a_step_again_replaces_it(tmp_path):
     assert not leftovers
 
 
+@pytest.mark.unit
 def test_a_write_that_fails_midway_leaves_the_old_file_and_no_temporary(tmp_path):
     """Storage.write_whole (every checkpoint file, corpus.json, a lease epoch's replacement): a reader
     sees the old content or the new, never a torn file, and a failed write leaves nothing behind."""
@@ -291,6 +300,7 @@ def write_legacy(directory, model_state: dict, optim_state: dict, meta_dict: dic
     (directory / MANIFEST_FILE).write_text(json.dumps({"format": "raychat-checkpoint-1", "files": files}))
 
 
+@pytest.mark.unit
 def test_an_old_checkpoint_is_refused_in_one_line_and_converts_to_the_same_state(tmp_path, capsys):
     model, optimizer = trained()
     old = tmp_path / "run" / "checkpoint_000002"
@@ -323,6 +333,7 @@ def _set_mtimes(directory: Storage, seconds: float) -> None:
         os.utime(os.path.join(directory.root, name), (seconds, seconds))
 
 
+@pytest.mark.unit
 def test_latest_and_pruning_follow_the_lineage_not_the_clock(tmp_path):
     """A branch (--resume-from-step 3 after 9) is the latest whatever the files' times say: written
     with a clock an hour behind, or after a `cp -r` that gave every file the same time."""
@@ -355,6 +366,7 @@ def test_latest_and_pruning_follow_the_lineage_not_the_clock(tmp_path):
     assert [read_meta(c).sequence for c in list_checkpoints(copy)] == [2, 3, 4, 5]
 
 
+@pytest.mark.unit
 def test_a_checkpoint_an_earlier_attempt_resumed_from_is_pruned_by_a_later_one(tmp_path):
     """An attempt resumed from 3 (kept by its saver) saves 6 and 9 with --keep-checkpoints 1, which
     prunes 6: the branch 9 -> 6 has a gap. The next attempt, resumed from 9, must still reach 3
@@ -374,6 +386,7 @@ def test_a_checkpoint_an_earlier_attempt_resumed_from_is_pruned_by_a_later_one(t
     assert [c.name for c in list_checkpoints(run)] == ["checkpoint_000009", "checkpoint_000012"]
 
 
+@pytest.mark.unit
 def test_a_malformed_parent_ends_the_branch_and_a_rewind_below_a_gap_is_never_chosen(tmp_path):
     """Save 2, 4, 6, 8; rewind to 2 (no lease records it) and save 3, 5, 7 keeping 1, which prunes 3
     and 5. With 7 damaged nothing of the abandoned 4..8 is chosen; a parent that names no checkpoint

@@ -127,12 +127,14 @@ def checkpoint_bytes(directory: Path) -> int:
     return sum(entry["bytes"] for entry in files.values())
 
 
+@pytest.mark.integration  # gloo ranks
 def test_saved_at_two_resumed_at_two_is_the_saved_state_bit_for_bit(runs):
     for rank in runs["ranks"]:
         assert_bitwise_equal(rank["resumed"], rank["reference"])
         assert rank["continued_equal"]
 
 
+@pytest.mark.integration  # gloo ranks
 def test_saved_at_two_resumed_at_one_is_the_saved_state_bit_for_bit(runs):
     directory = runs["tmp"] / "w2" / "checkpoint_000002"
     reference = runs["ranks"][0]["reference"]
@@ -144,11 +146,13 @@ def test_saved_at_two_resumed_at_one_is_the_saved_state_bit_for_bit(runs):
     assert_bitwise_equal(optimizer.state_dict(), reference)
 
 
+@pytest.mark.integration  # gloo ranks
 def test_saved_at_one_resumed_at_two_is_the_saved_state_bit_for_bit(runs):
     for rank in runs["ranks"]:
         assert_bitwise_equal(rank["from_single"], runs["single"]["reference"])
 
 
+@pytest.mark.integration  # gloo ranks
 def test_each_rank_writes_and_reads_about_its_own_share(runs):
     """Counted by the checkpoint files' reader and writer: no rank writes or holds the whole state.
     The whole: the same state saved by one process."""
@@ -161,6 +165,7 @@ def test_each_rank_writes_and_reads_about_its_own_share(runs):
     assert all(rank["buffer_bytes"] <= 0.6 * total for rank in runs["ranks"])
 
 
+@pytest.mark.integration  # gloo ranks
 def test_a_damaged_shard_of_one_rank_makes_every_rank_fall_back(runs):
     for rank in runs["ranks"]:
         assert rank["fell_back_to"] == "checkpoint_000002"
@@ -168,6 +173,7 @@ def test_a_damaged_shard_of_one_rank_makes_every_rank_fall_back(runs):
     assert "checkpoint_000003" in line and "sha256" in line and "earlier checkpoint" in line
 
 
+@pytest.mark.unit
 def test_a_save_some_rank_did_not_finish_is_never_chosen(tmp_path):
     """Rank 1 died before its file: rank 0's save fails after its wait, and writes no manifest."""
     run = Storage(str(tmp_path))

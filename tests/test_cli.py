@@ -52,6 +52,7 @@ def helps() -> dict[str, list]:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+@pytest.mark.integration  # a subprocess
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
 def test_help(helps, command):
     code, stdout = helps[" ".join(command)]
@@ -60,6 +61,7 @@ def test_help(helps, command):
     assert len(stdout.splitlines()) > 5  # a description and options, not a bare usage line
 
 
+@pytest.mark.unit
 def test_the_flag_reference_is_the_one_generated_from_the_config():
     """docs/flags.md holds `python -m raychat.config`'s table: a flag added, renamed or re-explained
     in TrainConfig and not in the docs fails here (regenerate the table with that command)."""
@@ -71,6 +73,7 @@ def test_the_flag_reference_is_the_one_generated_from_the_config():
     assert "docs/flags.md" in readme and len(readme.splitlines()) < 400  # the README fits; docs/ has more
 
 
+@pytest.mark.unit
 def test_readme_starts_with_the_two_commands_ci_runs():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
@@ -85,6 +88,7 @@ FLOAT_FLAGS = ["--" + f.name.replace("_", "-") for f in dataclasses.fields(Train
                if isinstance(f.default, float)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
 def test_every_float_flag_refuses_a_value_that_is_not_finite(value):
     """argparse's float() takes them, and each passes comparisons a number would fail (nan) or breaks
@@ -97,6 +101,7 @@ def test_every_float_flag_refuses_a_value_that_is_not_finite(value):
             config_from_args(parser.parse_args([f"{flag}={value}"]))
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 def test_train_refuses_a_float_flag_that_is_not_finite_in_one_line(commands, tmp_path):
     """Through the command: before anything runs (the missing eval bundle's refusal, which comes after
     every earlier check, is what a value let through would meet here instead of a run)."""

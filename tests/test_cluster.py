@@ -46,16 +46,19 @@ def all_commands(config: dict) -> list[str]:
     return commands
 
 
+@pytest.mark.unit
 def test_there_are_cluster_configs():
     assert {p.name for p in CLUSTER_YAMLS} >= {"h100.yaml", "local.yaml"}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
 def test_passes_ray_up_validation(path):
     prepared = ray_up_validate(load(path))
     assert prepared["head_node_type"] in prepared["available_node_types"]
 
 
+@pytest.mark.unit
 def test_validation_catches_mistakes():
     """The check above can fail: the same validator rejects broken copies of our config."""
     config = load(ROOT / "cluster" / "h100.yaml")
@@ -72,6 +75,7 @@ def test_validation_catches_mistakes():
         ray_up_validate(too_many)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", [p for p in CLUSTER_YAMLS if "docker" not in load(p)], ids=lambda p: p.name)
 def test_installs_the_pinned_ray_and_this_project(path):
     """Configs that install at boot (an image of their own: tests/test_cluster_configs.py)."""
@@ -88,6 +92,7 @@ def test_installs_the_pinned_ray_and_this_project(path):
     assert config["file_mounts"]["~/raychat"] == "."
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
 def test_dashboard_local_and_token_auth_on(path):
     config = load(path)
@@ -100,6 +105,7 @@ def test_dashboard_local_and_token_auth_on(path):
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
 
 
+@pytest.mark.unit
 def test_h100_nodes():
     config = load(ROOT / "cluster" / "h100.yaml")
     assert config["provider"]["type"] == "aws"
@@ -111,6 +117,7 @@ def test_h100_nodes():
     assert 0 <= gpu["min_workers"] <= gpu["max_workers"] <= config["max_workers"]
 
 
+@pytest.mark.unit
 def test_grafana_dashboard_charts_every_raychat_gauge():
     dashboard = json.loads((ROOT / "cluster" / "grafana" / "raychat_dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
@@ -140,6 +147,7 @@ def head_system_config(path: Path) -> tuple[list[str], dict]:
     return words, json.loads(flags.get("system-config", "{}"))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", [*CLUSTER_YAMLS, ROOT / "cluster" / "kuberay" / "raycluster.yaml"],
                          ids=lambda p: p.name)
 def test_heads_start_with_failure_detection_tuned_for_training(path):
@@ -154,7 +162,7 @@ def test_the_h100_heads_command_reaches_a_real_head(tmp_path):
     and the GCS of that head reports the health-check settings as its own."""
     import socket
 
-    from bench.multinode import stop_processes_under
+    from testkit.processes import stop_processes_under
 
     words, _ = head_system_config(ROOT / "cluster" / "h100.yaml")
     env = dict(os.environ, **dict(w.split("=", 1) for w in words[:words.index("ray")]))

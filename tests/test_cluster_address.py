@@ -21,6 +21,8 @@ from raychat.common import RaychatError
 from raychat.ray_glue import cluster_address
 from raychat.ray_glue.cluster_address import check_cluster_answers, speaks_http2, speaks_tls
 
+pytestmark = pytest.mark.integration  # a gRPC server, a local server
+
 
 @pytest.fixture
 def http1_server():

@@ -14,6 +14,8 @@ from helpers import pyproject_ray_pin
 from ray.autoscaler._private.aws.config import _configure_subnets_and_groups_from_network_interfaces
 from test_cluster import all_commands, ray_up_validate
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 H100 = ROOT / "cluster" / "h100.yaml"
 KUBERAY = ROOT / "cluster" / "kuberay"

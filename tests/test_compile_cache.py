@@ -66,6 +66,7 @@ def _archive(members: dict[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("content", [b"not an archive", _archive({"../escaped.py": b"import os"})],
                          ids=["damaged", "path-traversal"])
 def test_an_archive_that_does_not_load_is_ignored_in_one_line(tmp_path, monkeypatch, content):
@@ -80,6 +81,7 @@ def test_an_archive_that_does_not_load_is_ignored_in_one_line(tmp_path, monkeypa
     assert CompileCache(run, "other-key", said.append).load() is False and len(said) == 1  # none: quiet
 
 
+@pytest.mark.unit
 def test_an_archive_past_the_limits_is_not_unpacked(tmp_path, monkeypatch):
     """An archive larger than a restart's compile is worth is not even read, and one whose members
     unpack past the limit (a gzip bomb) writes nothing. (The limits, gigabytes, are lowered here.)"""
@@ -96,6 +98,7 @@ def test_an_archive_past_the_limits_is_not_unpacked(tmp_path, monkeypatch):
     assert "more than a restart's compile is worth" in said[-1] and len(said) == 2
 
 
+@pytest.mark.unit
 def test_each_run_compiles_into_a_cache_directory_of_its_own(tmp_path, monkeypatch):
     """Unset, or holding inductor's default (which the driver's compile probe writes there and a local
     Ray's workers inherit), the variable is pointed at the run's own directory: one run's archive

@@ -16,15 +16,18 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
 
 
+@pytest.mark.unit
 def test_auto_compiles_on_cuda_only():
     assert uses_compile("auto", torch.device("cuda")) and not uses_compile("auto", CPU)
     assert uses_compile("on", CPU) and not uses_compile("off", torch.device("cuda"))
 
 
+@pytest.mark.integration  # torch.compile: inductor runs a C++ compiler
 def test_probe_passes_where_compile_works():
     probe_compile(CPU)
 
 
+@pytest.mark.integration  # torch.compile: inductor runs a C++ compiler
 def test_probe_names_the_flag_and_the_cause(monkeypatch, tmp_path):
     import torch._inductor.config as inductor_config
 
@@ -42,6 +45,7 @@ def test_probe_names_the_flag_and_the_cause(monkeypatch, tmp_path):
 REFUSAL = "raychat: error: --compile: torch.compile does not work on this machine's cpu"
 
 
+@pytest.mark.integration  # torch.compile: inductor runs a C++ compiler
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the workers would run on CUDA")
 def test_driver_refuses_compile_on_in_one_line_before_preparing_anything(monkeypatch, tmp_path, capfd):
     """`python -m raychat.train`'s main as its __main__ runs it (run_cli), in this process: the unit

@@ -11,6 +11,8 @@ from raychat.common import RaychatError
 from raychat.evaluation.bundle import load_bundle
 from raychat.evaluation.core import combine, render_prompts, score_shard, task_examples
 
+pytestmark = pytest.mark.unit
+
 # Hand-worked with ChainModel ("abcde fghij": each byte predicts the next; a hit = the target follows).
 MC = [  # delimiter " ": the scored span starts after the choices' common token prefix
     {"query": "abcde", "choices": ["fgh", "fxy", "zzz"], "gold": 0},  # hits 3/3, 1/3, 0/3 -> 0 right

@@ -60,6 +60,7 @@ def synthetic_dir(tmp_path_factory) -> Path:
 
 # ----------------------------------------------------------------------------- layout and index
 
+@pytest.mark.unit
 def test_layout_and_units_worked_out_by_hand(synthetic_dir):
     # 2500 train docs in shards of 2048 -> shard 0: 1024 + 1024, shard 1: 452; val: shard 2 with 1000.
     assert [p.name for _, p in list_shards(synthetic_dir)] == [
@@ -75,6 +76,7 @@ def test_layout_and_units_worked_out_by_hand(synthetic_dir):
         assert pq.ParquetFile(path).schema_arrow.field("text").type == pa.string()
 
 
+@pytest.mark.unit
 def test_read_unit_texts_round_trips_and_picks_rows(synthetic_dir, expected):
     index = CorpusIndex.load(synthetic_dir)
     assert all_texts(index, "train") == expected[:2500]
@@ -84,6 +86,7 @@ def test_read_unit_texts_round_trips_and_picks_rows(synthetic_dir, expected):
     assert read_unit_texts(unit, []) == []
 
 
+@pytest.mark.integration  # a subprocess
 def test_index_is_stable_across_loads_and_processes(synthetic_dir):
     first, second = CorpusIndex.load(synthetic_dir), CorpusIndex.load(str(synthetic_dir) + "/")
     assert first.train == second.train and first.val == second.val
@@ -104,6 +107,7 @@ def fake_index(num_units: int) -> CorpusIndex:
     return CorpusIndex(Path("/nowhere"), units, [])
 
 
+@pytest.mark.unit
 @settings(max_examples=60, deadline=None)
 @given(num_units=st.integers(0, 300), epoch=st.integers(0, 10_000), seed=st.integers(-2**63, 2**63))
 def test_epoch_order_is_a_deterministic_permutation(num_units, epoch, seed):
@@ -114,6 +118,7 @@ def test_epoch_order_is_a_deterministic_permutation(num_units, epoch, seed):
     assert order == fake_index(num_units).epoch_order(epoch, seed)
 
 
+@pytest.mark.unit
 @settings(max_examples=30, deadline=None)
 @given(num_units=st.integers(20, 300), seed=st.integers(0, 2**32))
 def test_epoch_order_changes_with_epoch_and_seed(num_units, seed):
@@ -124,6 +129,7 @@ def test_epoch_order_changes_with_epoch_and_seed(num_units, seed):
     assert index.epoch_order(1, seed) != list(range(num_units))
 
 
+@pytest.mark.unit
 def test_iter_split_texts_caps_and_stops(synthetic_dir, expected):
     assert list(iter_split_texts(synthetic_dir, "val")) == expected[2500:]
     capped = list(iter_split_texts(synthetic_dir, "train", doc_cap=100))
@@ -137,6 +143,7 @@ def test_iter_split_texts_caps_and_stops(synthetic_dir, expected):
         next(iter_split_texts(synthetic_dir, "test"))
 
 
+@pytest.mark.unit
 def test_validate_corpus_counts(synthetic_dir, expected):
     summary = validate_corpus(synthetic_dir, deep=True)
     assert (summary.num_shards, summary.train_row_groups, summary.val_row_groups) == (3, 3, 1)
@@ -150,6 +157,7 @@ def test_validate_corpus_counts(synthetic_dir, expected):
 
 # ----------------------------------------------------------------------------- synthetic
 
+@pytest.mark.unit
 def test_synthetic_is_deterministic_whatever_the_layout(tmp_path, synthetic_dir, expected):
     write_synthetic_corpus(tmp_path / "again", num_docs=3500, seed=0, docs_per_shard=2048, val_docs=1000,
                            workers=1)
@@ -161,6 +169,7 @@ def test_synthetic_is_deterministic_whatever_the_layout(tmp_path, synthetic_dir,
     assert synthetic_texts(50, seed=1) != synthetic_texts(50, seed=0)
 
 
+@pytest.mark.unit
 def test_synthetic_documents_look_like_text():
     texts = synthetic_texts(4096, seed=3)
     lengths = sorted(len(t) for t in texts)
@@ -177,6 +186,7 @@ def test_synthetic_documents_look_like_text():
 
 # ----------------------------------------------------------------------------- writer
 
+@pytest.mark.unit
 def test_writer_refuses_existing_shards_and_cleans_up(tmp_path):
     out = tmp_path / "corpus"
     with CorpusWriter(out, docs_per_shard=3) as writer:
@@ -205,6 +215,7 @@ def test_writer_refuses_existing_shards_and_cleans_up(tmp_path):
 
 # ----------------------------------------------------------------------------- ingest
 
+@pytest.mark.unit
 def test_ingest_drops_empty_and_duplicates_and_reports_bad_utf8(tmp_path):
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
@@ -227,6 +238,7 @@ def test_ingest_drops_empty_and_duplicates_and_reports_bad_utf8(tmp_path):
     assert "6 documents (3 empty and 1 duplicate documents dropped" in lines[-1]
 
 
+@pytest.mark.unit
 def test_ingest_default_val_split_and_bad_inputs(tmp_path):
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(3000)))
@@ -250,6 +262,7 @@ def test_ingest_default_val_split_and_bad_inputs(tmp_path):
 
 # ----------------------------------------------------------------------------- sample
 
+@pytest.mark.unit
 def test_sample_corpus_is_real_text_and_deterministic(tmp_path):
     write_sample_corpus(tmp_path / "a", max_mb=1.0, log=lambda _: None)
     write_sample_corpus(tmp_path / "b", max_mb=1.0, log=lambda _: None)
@@ -264,6 +277,7 @@ def test_sample_corpus_is_real_text_and_deterministic(tmp_path):
     assert len(set(texts)) == len(texts) and min(map(len, texts)) >= 200
 
 
+@pytest.mark.unit
 def test_prepare_default_corpus_offline_writes_the_sample(tmp_path):
     assert os.environ.get("RAYCHAT_OFFLINE") == "1"  # set by conftest: no network in tests
     lines: list[str] = []
@@ -278,6 +292,7 @@ def test_prepare_default_corpus_offline_writes_the_sample(tmp_path):
 
 # ----------------------------------------------------------------------------- CLI
 
+@pytest.mark.integration  # commands in a reused interpreter
 def test_cli_synthetic_then_check(commands, tmp_path):
     made = run_corpus_cli(commands, "synthetic", "--out", tmp_path / "c", "--docs", 1500, "--seed", 5,
                           "--docs-per-shard", 512, "--val-docs", 300)
@@ -341,6 +356,7 @@ def bad_corpora(root: Path) -> list[tuple[Path, str, str]]:
     return cases
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 def test_cli_bad_corpora_fail_with_one_line_naming_the_file(commands, tmp_path):
     for corpus_dir, named, words in bad_corpora(tmp_path):
         # The trainer's start-up check and `check` say the same thing.
@@ -357,6 +373,7 @@ def test_cli_bad_corpora_fail_with_one_line_naming_the_file(commands, tmp_path):
         assert result.stdout == ""
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 def test_cli_bad_inputs_to_writers(commands, tmp_path):
     empty_docs = tmp_path / "empty.jsonl"
     empty_docs.write_text('{"text": ""}\n{"text": "  "}\n')
@@ -368,6 +385,7 @@ def test_cli_bad_inputs_to_writers(commands, tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.unit
 def test_cli_help_explains_every_command(capsys):
     for command in ("download", "ingest", "sample", "synthetic", "check"):
         with pytest.raises(SystemExit) as exit_info:
@@ -378,6 +396,7 @@ def test_cli_help_explains_every_command(capsys):
 
 # ----------------------------------------------------------------------------- budget
 
+@pytest.mark.unit
 def test_corpus_budget_against_tokens_counted_by_hand(tiny_corpus, tmp_path):
     data_dir, tokenizer_dir = tiny_corpus
     tokenizer = Tokenizer.load(tokenizer_dir)

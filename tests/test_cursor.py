@@ -26,6 +26,8 @@ from raychat.data.cursor import (
 )
 from raychat.data.packer import BestFitPacker
 
+pytestmark = pytest.mark.unit
+
 CAPACITY, BUFFER = 12, 4
 
 

@@ -17,6 +17,8 @@ from raychat.corpus.download import MAX_SHARD, REPO_ID, download_shards
 from raychat.corpus.fixture import synthetic_texts
 from raychat.corpus.index import CorpusIndex, list_shards, read_corpus_meta, read_unit_texts, shard_filename
 
+pytestmark = pytest.mark.integration  # a local HTTP server, a subprocess, commands in a reused interpreter
+
 
 def resumed_from(range_header: str | None) -> int:
     """Where a GET asked to start ("bytes=N-"); 0 for a GET of the whole file."""

@@ -28,12 +28,12 @@ from trace_audit import (
     world_sizes_by_attempt,
 )
 
-from bench.multinode import kill_node, node_of_pid, stop_processes_under
 from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
 from raychat.storage import Storage
 from raychat.telemetry.metrics_log import METRICS_FILE, parse_records
+from testkit.processes import kill_node, node_of_pid, stop_processes_under
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.ray, pytest.mark.cluster, pytest.mark.timeout(1200)]
 
 NODE = {"num_cpus": 1, "object_store_memory": 150 * 2**20}
 # 3 workers of 1 CPU, one per node (SPREAD); 2048-token steps, a few hundred ms each on this machine.

@@ -70,6 +70,7 @@ class ZipServer:
         self.httpd.server_close()
 
 
+@pytest.mark.integration  # a local server, a subprocess
 def test_fetch_from_the_command_line(tmp_path):
     with ZipServer(bundle_zip(tmp_path)) as server:
         out = tmp_path / "home" / "eval_bundle"
@@ -83,6 +84,7 @@ def test_fetch_from_the_command_line(tmp_path):
     assert [p.name for p in out.parent.iterdir()] == ["eval_bundle"]  # no .part, no staging left
 
 
+@pytest.mark.integration  # a local server
 def test_a_broken_transfer_resumes_where_it_stopped(tmp_path):
     data = bundle_zip(tmp_path)
     lines: list[str] = []
@@ -97,6 +99,7 @@ def test_a_broken_transfer_resumes_where_it_stopped(tmp_path):
     assert any("from byte 1,000" in line for line in lines)
 
 
+@pytest.mark.integration  # a local server
 @pytest.mark.parametrize("spoil, message", [
     (lambda data: data.replace(b"Paris", b"Pariz", 1), "fails its CRC check: deleted"),
     (lambda data: b"<html>a captive portal's sign-in page</html>", "is not a zip archive"),
@@ -110,6 +113,7 @@ def test_a_bad_zip_is_refused_and_nothing_is_put_in_place(tmp_path, spoil, messa
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".eval_bundle_")]
 
 
+@pytest.mark.unit
 def test_unreachable_says_where_to_put_it(tmp_path):
     url = f"http://127.0.0.1:{free_port()}/eval_bundle.zip"
     where = tmp_path / "b" / "core.yaml"

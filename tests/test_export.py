@@ -67,6 +67,7 @@ def logits(config: GPTConfig, state: dict, dtype: torch.dtype) -> torch.Tensor:
         return model.eval()(idx)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("embedding_dtype", ["bf16", "fp32"])
 def test_export_writes_nanochats_layout_and_loads_back_identically(run, tmp_path, embedding_dtype):
     storage, tokenizer, config, state = run
@@ -97,6 +98,7 @@ def test_export_writes_nanochats_layout_and_loads_back_identically(run, tmp_path
         assert all(torch.equal(exported[name], state[name]) for name in state)
 
 
+@pytest.mark.unit
 def test_the_tokenizer_files_encode_as_raychats_tokenizer(run, tmp_path):
     storage, tokenizer, _, _ = run
     export(storage, tokenizer, tmp_path / "nanochat")
@@ -112,6 +114,7 @@ def test_the_tokenizer_files_encode_as_raychats_tokenizer(run, tmp_path):
         export(storage, tokenizer, tmp_path / "nanochat")
 
 
+@pytest.mark.unit
 def test_a_nanochat_checkpoint_loads_back_bitwise_and_a_mismatch_is_one_line(run, tmp_path):
     """raychat -> nanochat's layout -> raychat: the same tensors, read without unpickling code."""
     storage, tokenizer, config, state = run

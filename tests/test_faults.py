@@ -1,5 +1,5 @@
 """Storage faults sorted by what they are (raychat.faults), provoked for real: pyarrow's S3 client
-talking to moto's server through the fault-injecting proxy (bench.s3_fault_proxy). Transient faults
+talking to moto's server through the fault-injecting proxy (testkit.s3_fault_proxy). Transient faults
 are ridden out with one line per incident, past the budget they fail the attempt as a plain
 exception, and only what the user must fix is a RaychatError."""
 
@@ -14,7 +14,6 @@ import torch
 from conftest import TEST_BUCKET, s3_uri
 from helpers import copy_to_bucket, one_error_line
 
-from bench.s3_fault_proxy import S3FaultProxy
 from raychat import faults
 from raychat import storage as storage_module
 from raychat.checkpoint import fence
@@ -33,6 +32,7 @@ from raychat.storage import Storage
 from raychat.tokenizer import remote
 from raychat.tokenizer.core import Tokenizer
 from raychat.tokenizer.remote import local_copy
+from testkit.s3_fault_proxy import S3FaultProxy
 
 DOCS = [f"document {i}: " + "words " * (i % 7) for i in range(120)]
 
@@ -85,6 +85,7 @@ def error_of(fn) -> Exception:
     raise AssertionError("no error")
 
 
+@pytest.mark.integration  # moto's S3 server behind the fault proxy
 def test_real_storage_errors_are_sorted_by_what_they_are(proxy, direct_client, tmp_path):
     key = f"{TEST_BUCKET}/sort-{time.time_ns()}"
     with direct_client.open_output_stream(key) as f:
@@ -130,6 +131,7 @@ def test_real_storage_errors_are_sorted_by_what_they_are(proxy, direct_client, t
     assert not is_transient(ray.exceptions.RayTaskError("read", "tb", FileNotFoundError("gone")))
 
 
+@pytest.mark.integration  # moto's S3 server behind the fault proxy
 def test_the_proxy_schedule_is_seeded(s3_endpoint, direct_client):
     """Intermittent faults (`probability`) hit the same requests for the same seed: a chaos run replays."""
     key = f"{TEST_BUCKET}/seeded-{time.time_ns()}"
@@ -159,6 +161,7 @@ def test_the_proxy_schedule_is_seeded(s3_endpoint, direct_client):
     assert first == pattern(7) and first != pattern(8) and 2 <= sum(first) <= 10
 
 
+@pytest.mark.integration  # moto's S3 server behind the fault proxy
 def test_retry_rides_out_a_stall_and_a_burst_of_503s_in_one_incident(proxy, direct_client):
     key = f"{TEST_BUCKET}/ride-{time.time_ns()}"
     with direct_client.open_output_stream(key) as f:
@@ -191,6 +194,7 @@ def test_retry_rides_out_a_stall_and_a_burst_of_503s_in_one_incident(proxy, dire
     assert len(lines) == 2 and "recovered" in lines[1], lines
 
 
+@pytest.mark.integration  # moto's S3 server behind the fault proxy
 def test_past_its_budget_a_fault_fails_the_attempt_not_the_run(proxy, direct_client, corpus, monkeypatch,
                                                                 direct_corpus_client):
     key = f"{TEST_BUCKET}/budget-{time.time_ns()}"
@@ -224,6 +228,7 @@ def storage_warnings(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if "raychat: warning: storage" in line]
 
 
+@pytest.mark.integration  # moto's S3 server behind the fault proxy
 def test_footer_reads_ride_out_resets_with_one_line_per_incident(proxy, corpus, capsys, direct_corpus_client):
     """raychat's own retry of footer reads, each fault reaching it (pyarrow's retries off): the unit
     tier's check of what the next test checks through the driver's real client."""
@@ -252,6 +257,7 @@ def test_indexing_a_bucket_rides_out_faults_on_footer_reads(proxy, corpus, capsy
     assert "storage recovered" in warnings[1], warnings
 
 
+@pytest.mark.integration  # moto's S3 server behind the fault proxy
 def test_a_row_group_read_survives_a_stall_cuts_and_resets(proxy, corpus, capsys, direct_corpus_client):
     index = CorpusIndex.load(corpus)
     capsys.readouterr()
@@ -266,6 +272,7 @@ def test_a_row_group_read_survives_a_stall_cuts_and_resets(proxy, corpus, capsys
     assert len(warnings) == 2 and "shard_00001.parquet row group 0" in warnings[0], warnings
 
 
+@pytest.mark.unit
 def test_a_read_task_failure_is_raised_as_what_it_is():
     """The loader gets a Ray Data task's error as text: user-fixable, transient, or a bug."""
     from ray.exceptions import RayTaskError
@@ -285,6 +292,7 @@ def test_a_read_task_failure_is_raised_as_what_it_is():
         _raise_read_failure(ZeroDivisionError("bug"))
 
 
+@pytest.mark.integration  # moto's S3 server behind the fault proxy
 def test_checkpoint_reads_and_writes_sort_their_faults(proxy, direct_client, s3_endpoint, tmp_path):
     run = f"ckpt-{time.time_ns()}"
     state = {"w": torch.arange(4096, dtype=torch.float32)}
@@ -313,6 +321,7 @@ def test_checkpoint_reads_and_writes_sort_their_faults(proxy, direct_client, s3_
     assert isinstance(refused, RaychatError) and "check free space and permissions" in str(refused)
 
 
+@pytest.mark.integration  # moto's S3 server behind the fault proxy
 def test_a_lease_records_whole_get_rides_out_faults_past_the_clients_retries(proxy, s3_endpoint):
     """A lease record is read with one GET of boto3's (Storage.read_replaceable), not pyarrow's: its
     faults are sorted by `_s3_fault`. A body cut short (which boto3 does not retry) and 503s past
@@ -336,6 +345,7 @@ def test_a_lease_records_whole_get_rides_out_faults_past_the_clients_retries(pro
     assert isinstance(missing, FileNotFoundError) and is_missing(missing) and not is_transient(missing)
 
 
+@pytest.mark.unit
 def test_words_in_keys_do_not_classify_and_an_expired_token_is_ridden_out():
     """The reviewer's cases: a permanent 400 on a key named like a fault is not retried for minutes;
     GCS's PERMISSION_DENIED is the user's; a lapsed temporary credential is transient."""
@@ -347,6 +357,7 @@ def test_words_in_keys_do_not_classify_and_an_expired_token_is_ridden_out():
                                 "expired."))
 
 
+@pytest.mark.unit
 def test_an_object_gone_between_open_and_read_is_missing_not_transient():
     """What pyarrow raises when a shard is deleted after it was opened: GetObject's RESOURCE_NOT_FOUND."""
     gone = OSError("When reading 's3://b/c/shard_00005.parquet': AWS Error RESOURCE_NOT_FOUND during "
@@ -368,6 +379,7 @@ def refused_at_start(commands, tmp_path, *flags: str, **env: str) -> str:
 BACKSTOP = "eval bundle"  # in the line of the refusal that comes after every start-up check here
 
 
+@pytest.mark.integration  # moto's S3 server behind the fault proxy, commands in a reused interpreter
 def test_a_store_that_ignores_if_none_match_cannot_hold_a_run(proxy, commands, tmp_path):
     """The lease's atomic create, proved by the driver before any worker starts: through a store that
     drops If-None-Match (moto behind the proxy), the same file is "created" twice, and the run is
@@ -385,6 +397,7 @@ def test_a_store_that_ignores_if_none_match_cannot_hold_a_run(proxy, commands, t
         assert "--storage-path" in line and "cannot give a run its lease (one writer per run)" in line, line
 
 
+@pytest.mark.integration  # moto's S3 server behind the fault proxy, commands in a reused interpreter
 def test_a_store_that_does_not_implement_a_request_is_the_users_at_once(proxy, direct_client, commands,
                                                                        tmp_path):
     """501 NotImplemented is no passing fault: not retried, and a run's start refuses it in one line at
@@ -402,6 +415,7 @@ def test_a_store_that_does_not_implement_a_request_is_the_users_at_once(proxy, d
     assert "501 NotImplemented" in line and time.monotonic() - started < storage_module.PROBE_BUDGET_S, line
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 def test_a_typo_in_an_endpoint_host_is_refused_at_start_in_one_line(commands, tmp_path):
     """A host that does not resolve is a typo at start (mid-run a resolver's hiccup is transient, and
     its retries would take minutes): each location's flag, host and fix, before anything runs."""
@@ -413,6 +427,7 @@ def test_a_typo_in_an_endpoint_host_is_refused_at_start_in_one_line(commands, tm
         assert "fix the host in endpoint_override" in line
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 @pytest.mark.parametrize("value", ["5m", "-1", "inf", "nan"])
 def test_a_malformed_retry_budget_is_refused_at_start(commands, tmp_path, value):
     """Read at the first storage fault, hours in, it would end the run there: it is read at start."""
@@ -420,6 +435,7 @@ def test_a_malformed_retry_budget_is_refused_at_start(commands, tmp_path, value)
     assert f"RAYCHAT_RETRY_BUDGET_S={value!r} is not a number of seconds >= 0" in line, line
 
 
+@pytest.mark.integration  # moto's S3 server behind the fault proxy
 def test_a_tokenizer_in_a_bucket_rides_out_throttling_and_names_a_missing_one(proxy, s3_endpoint, tiny_corpus,
                                                                              tmp_path, monkeypatch, capsys,
                                                                              direct_client):

@@ -6,6 +6,8 @@ import torch
 
 from raychat.model.flops import PEAK_BF16_TABLE, lookup_peak_flops, mfu, peak_flops
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("device_name,expected", [
     ("NVIDIA H100 80GB HBM3", 989e12),

@@ -18,6 +18,8 @@ pytest.importorskip("torchao")  # the fp8 extra (in dev too)
 
 from raychat.model.fp8 import TrainingFloat8Linear  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 # width 128: the attention and MLP matrices (128x128, 128x512) pass nanochat's rule (multiples of
 # 16, both sides >= 128); c_k/c_v are 128 -> 64 with GQA (2 kv heads of 32) and stay plain, as do
 # the gates (12 -> 2, 24 -> 1), the embeddings and lm_head.

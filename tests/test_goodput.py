@@ -14,6 +14,8 @@ from raychat.storage import Storage
 from raychat.telemetry.ledger import CAUSES, ledger
 from raychat.telemetry.metrics_log import METRICS_FILE, parse_records
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_default_cadence_is_auto_and_the_fixed_ones_keep_their_meaning():
     assert TrainConfig().save_every == 0 and TrainConfig().max_lost_minutes == 1.0

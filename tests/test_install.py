@@ -9,6 +9,10 @@ import sys
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10

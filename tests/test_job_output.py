@@ -27,6 +27,7 @@ def ray_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run([ray_bin, *args], capture_output=True, text=True, timeout=timeout, check=True)
 
 
+@pytest.mark.unit
 def test_runtime_env_keeps_settings_and_drops_secrets():
     environ = {
         "WANDB_API_KEY": "k", "WANDB_PROJECT": "p", "WANDB_ENTITY": "e", "WANDB_MODE": "offline",
@@ -40,6 +41,7 @@ def test_runtime_env_keeps_settings_and_drops_secrets():
         "worker_process_setup_hook": SETUP_HOOK}
 
 
+@pytest.mark.unit
 def test_runtime_env_leaves_a_jobs_own_variables_to_the_job():
     """Under `ray job submit --runtime-env-json`, Ray refuses a driver runtime env that names a job
     variable again ("Failed to merge the Job's runtime env"): those reach the workers anyway."""
@@ -51,6 +53,7 @@ def test_runtime_env_leaves_a_jobs_own_variables_to_the_job():
                                            "worker_process_setup_hook": SETUP_HOOK}
 
 
+@pytest.mark.unit
 def test_marked_lines_bare_others_keep_rays_prefix(capsys, monkeypatch):
     """A forwarded batch as Ray's log monitor publishes it, printed through Ray's own printer."""
     monkeypatch.setenv("RAY_COLOR_PREFIX", "0")

@@ -61,6 +61,7 @@ def cluster_pods(cluster: dict) -> list[dict]:
     return [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name, kind", [("raycluster.yaml", "RayCluster"), ("rayjob.yaml", "RayJob")])
 def test_manifests_validate_against_kuberay_crds(name, kind):
     doc = manifest(name)
@@ -69,6 +70,7 @@ def test_manifests_validate_against_kuberay_crds(name, kind):
     assert errors == []
 
 
+@pytest.mark.unit
 def test_validation_rejects_broken_manifests():
     """The check above can fail: the same schemas reject broken copies of our manifests."""
     cluster = manifest("raycluster.yaml")
@@ -93,6 +95,7 @@ def test_validation_rejects_broken_manifests():
         validator("RayJob").validate(job)
 
 
+@pytest.mark.unit
 def test_rayjob_entrypoint_is_a_raychat_command():
     job = manifest("rayjob.yaml")
     argv = shlex.split(job["spec"]["entrypoint"])
@@ -106,6 +109,7 @@ def test_rayjob_entrypoint_is_a_raychat_command():
     assert job["spec"]["clusterSelector"]["ray.io/cluster"] == manifest("raycluster.yaml")["metadata"]["name"]
 
 
+@pytest.mark.unit
 def test_elastic_range_fits_the_worker_group():
     cluster = manifest("raycluster.yaml")
     (group,) = cluster["spec"]["workerGroupSpecs"]
@@ -126,6 +130,7 @@ def test_elastic_range_fits_the_worker_group():
     assert "nvidia.com/gpu" not in head["template"]["spec"]["containers"][0]["resources"]["limits"]
 
 
+@pytest.mark.unit
 def test_runs_the_pinned_ray():
     version = ray_version()
     cluster = manifest("raycluster.yaml")
@@ -137,6 +142,7 @@ def test_runs_the_pinned_ray():
     assert froms == [f"FROM rayproject/ray:{version}-py311-gpu"]
 
 
+@pytest.mark.unit
 def test_token_auth_on_and_dashboard_not_exposed():
     cluster = manifest("raycluster.yaml")
     assert cluster["spec"]["authOptions"]["mode"] == "token"
@@ -147,6 +153,7 @@ def test_token_auth_on_and_dashboard_not_exposed():
     assert not any(word in t for t in texts for word in ("LoadBalancer", "NodePort", "kind: Ingress"))
 
 
+@pytest.mark.unit
 def test_secrets_come_from_kubernetes_secrets():
     """The wandb key reaches the pods from a Secret, never as a literal and never through Ray."""
     cluster = manifest("raycluster.yaml")
@@ -159,6 +166,7 @@ def test_secrets_come_from_kubernetes_secrets():
         assert env["WANDB_API_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "api_key"
 
 
+@pytest.mark.unit
 def test_prometheus_scrapes_every_pod_of_the_cluster():
     """The PodMonitor (KubeRay's prometheus-grafana guide) selects this RayCluster's pods by the labels
     KubeRay gives them, on a port every container of the cluster names `metrics`."""
@@ -175,6 +183,7 @@ def test_prometheus_scrapes_every_pod_of_the_cluster():
     assert relabel["ray_io_cluster"] == ["__meta_kubernetes_pod_label_ray_io_cluster"]
 
 
+@pytest.mark.unit
 def test_head_points_the_dashboard_at_prometheus_and_grafana():
     head = manifest("raycluster.yaml")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value", "") for e in head["env"]}
@@ -183,6 +192,7 @@ def test_head_points_the_dashboard_at_prometheus_and_grafana():
     assert env["RAY_GRAFANA_IFRAME_HOST"] == "http://127.0.0.1:3000"  # through kubectl port-forward
 
 
+@pytest.mark.integration  # a subprocess
 def test_grafana_configmap_holds_the_dashboard():
     configmap = manifest("grafana-dashboard.yaml")
     assert configmap["kind"] == "ConfigMap" and configmap["metadata"]["labels"]["grafana_dashboard"] == "1"

@@ -4,6 +4,7 @@ fence that keeps a superseded writer's saves and prunes off the run, and a linea
 damage or unreadable record can reorder (a property test)."""
 
 import dataclasses
+import json
 import os
 import random
 import select
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +20,6 @@ from conftest import s3_uri
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.lease_race import race, run_trials
-from bench.s3_fault_proxy import S3FaultProxy
 from raychat import faults
 from raychat.checkpoint import fence
 from raychat.checkpoint.fence import Fence, LeaseLost
@@ -42,8 +42,11 @@ from raychat.elastic import lease
 from raychat.elastic.lease import STALE_AFTER_BEATS, RunLease, holder_is_gone
 from raychat.model.gpt import GPTConfig
 from raychat.storage import Storage
+from testkit.lease_race import race
+from testkit.s3_fault_proxy import S3FaultProxy
 
 QUIET = lambda _: None  # noqa: E731
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _pieces(step: int) -> list[Piece]:
@@ -56,6 +59,7 @@ def _save(saver: CheckpointSaver, step: int, session: str = "s") -> None:
     saver.save(step, _pieces(step), f"token{step}", meta, extra={}, wait=True)
 
 
+@pytest.mark.unit
 def test_racing_drivers_on_local_disk_exactly_one_trains(tmp_path):
     for trial in range(6):
         run = Storage(str(tmp_path / f"run{trial}"))
@@ -66,15 +70,10 @@ def test_racing_drivers_on_local_disk_exactly_one_trains(tmp_path):
             assert "another driver" in lost and "--run-name" in lost and "\n" not in lost
 
 
-def test_racing_drivers_on_s3_exactly_one_trains_whoever_is_slower(s3_endpoint, monkeypatch):
+@pytest.mark.integration  # moto's S3 server, the fault proxy, a subprocess
+def test_racing_drivers_on_s3_exactly_one_trains_whoever_is_slower(s3_endpoint):
     """The old lease let both drivers in when one PUT was 1.3 s slower than the other. Now each
     trial races direct drivers against ones behind the fault proxy, whose lease PUTs are delayed."""
-    bench_sets = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
-                  "AWS_EC2_METADATA_DISABLED")
-    for name in bench_sets:  # the bench's server sets them: each is put back as it was (or unset) after
-        monkeypatch.setenv(name, os.environ.get(name, ""))
-        if os.environ[name] == "":
-            monkeypatch.delenv(name)
     with S3FaultProxy(s3_endpoint, seed=0) as proxy:
         for trial in range(4):
             rng = random.Random(trial)
@@ -86,9 +85,15 @@ def test_racing_drivers_on_s3_exactly_one_trains_whoever_is_slower(s3_endpoint, 
             delay.ended.set()
             assert outcomes.count("won") == 1, (trial, outcomes)
             assert fence.epochs(direct) == [1], trial  # one epoch was ever created
-    assert run_trials("s3", trials=3, seed=1)["double_writers"] == 0  # the bench's own count agrees
+    # The bench's own count agrees, run as its users run it (its own moto server and proxy).
+    done = subprocess.run([sys.executable, "-m", "bench.lease_race", "--storage", "s3", "--trials", "3",
+                           "--seed", "1", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counted = json.loads(done.stdout.splitlines()[-1])
+    assert (counted["storage"], counted["trials"], counted["double_writers"]) == ("s3", 3, 0), done.stdout
 
 
+@pytest.mark.integration  # moto's S3 server
 def test_a_record_replaced_while_it_is_read_is_read_whole(s3_endpoint):
     """In a bucket a read is a HEAD for the size, then a ranged GET: a record replaced between them
     (a heartbeat's beat going from 9 to 10) read back as the old size's prefix of the new one, and a
@@ -133,6 +138,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.integration  # a subprocess
 def test_a_paused_holder_is_taken_over_and_stops_once_it_wakes(tmp_path):
     """SIGSTOP past the takeover (a long GC, a partition): the run passes to the next epoch, and the
     old holder, resumed, sees it at its next heartbeat and stops with a line naming the new one."""
@@ -170,6 +176,7 @@ def test_a_paused_holder_is_taken_over_and_stops_once_it_wakes(tmp_path):
     assert stopped_after < 5 * beat + 2.0, stopped_after
 
 
+@pytest.mark.integration  # a subprocess
 def test_a_killed_holder_on_this_machine_is_taken_over_without_waiting_out_its_beats(tmp_path, monkeypatch):
     """A driver killed (or crashed) and relaunched on the same machine: its process is gone, so the
     new one takes the run at once, not after STALE_AFTER_BEATS beats (here 3 x 60 s). A record from
@@ -210,6 +217,7 @@ def test_a_killed_holder_on_this_machine_is_taken_over_without_waiting_out_its_b
         taker.release()
 
 
+@pytest.mark.unit
 def test_a_run_handed_over_cleanly_is_not_taken_over(tmp_path):
     """A released lease is taken at once, and its driver is no one's to end: it may still be writing
     its summary."""
@@ -235,6 +243,7 @@ def quick_backoff(monkeypatch):
     monkeypatch.setattr(faults, "FIRST_DELAY_S", 0.05)
 
 
+@pytest.mark.integration  # moto's S3 server, the fault proxy
 def test_a_lease_record_that_cannot_be_read_is_never_free(tmp_path, s3_endpoint, quick_backoff):
     run = Storage(str(tmp_path / "run"))
     fence.lease_dir(run).make_dir()
@@ -343,6 +352,7 @@ def _driver(run: Storage, keep: int, resume_from: str | None) -> tuple[RunLease,
                                  fence=Fence(run, held.epoch), parent=parent, parent_name=resume_from)
 
 
+@pytest.mark.unit
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(history=histories())
 def test_lineage_survives_rewinds_damage_and_unreadable_records(tmp_path_factory, history):
@@ -399,6 +409,7 @@ def test_lineage_survives_rewinds_damage_and_unreadable_records(tmp_path_factory
     lease.release()
 
 
+@pytest.mark.unit
 def test_the_checkpoint_a_run_resumed_from_is_never_written_again(tmp_path):
     """An attempt restarted after the final save starts at the last step: that step's checkpoint
     exists, and rewriting it would leave no final checkpoint if a second fault came mid-write."""
@@ -412,6 +423,7 @@ def test_the_checkpoint_a_run_resumed_from_is_never_written_again(tmp_path):
     assert restarted.already_saved(5) and not restarted.already_saved(10)
 
 
+@pytest.mark.unit
 def test_a_run_from_before_leases_never_falls_back_onto_its_abandoned_branch(tmp_path):
     """Written by raychat before lease epochs: 10 -> 20 -> 30, then rewound to 10 -> 15 -> 25. With
     25 incomplete and 15's record torn, the fallback goes below 15's step (to 10), not to 30."""

@@ -16,7 +16,6 @@ import torch
 from conftest import s3_uri
 from helpers import gloo_group, step_components
 
-from bench.s3_fault_proxy import S3FaultProxy
 from raychat.checkpoint import fence
 from raychat.checkpoint.fence import Fence, LeaseLost, LeaseRecord
 from raychat.checkpoint.format import MANIFEST_FILE
@@ -25,10 +24,12 @@ from raychat.config import add_config_flags, config_from_args
 from raychat.elastic import lease
 from raychat.elastic.lease import MIN_TAKEOVER_S, RunLease, takeover_wait_s
 from raychat.storage import Storage
+from testkit.s3_fault_proxy import S3FaultProxy
 
 QUIET = lambda _: None  # noqa: E731
 
 
+@pytest.mark.unit
 def test_a_newcomer_with_a_shorter_beat_waits_out_the_holders_beats(tmp_path):
     """A holder beating every 2 s is alive: a newcomer configured for 0.3 s beats used to take it
     over after 0.9 s of its own clock. It now watches for the holder's 3 x 2 s, sees a beat, and
@@ -45,6 +46,7 @@ def test_a_newcomer_with_a_shorter_beat_waits_out_the_holders_beats(tmp_path):
         holder.release()
 
 
+@pytest.mark.unit
 def test_a_silent_lease_is_watched_for_its_holders_beats_and_never_less_than_the_floor(tmp_path):
     """A record whose holder named a tiny beat (a test's, an old raychat's) is not taken in a blink,
     and a record from before beats were kept is read with the default one."""
@@ -69,6 +71,7 @@ def test_a_silent_lease_is_watched_for_its_holders_beats_and_never_less_than_the
     assert takeover_wait_s(dataclasses.replace(record, heartbeat_s=60)) == 180
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value", ["0", "0.2", "-5", "nan", "inf", "fast", "1e999", "1e10"])
 def test_a_heartbeat_below_the_floor_or_not_a_number_is_refused_in_one_line(tmp_path, monkeypatch, value):
     """RAYCHAT_LEASE_HEARTBEAT_S=0 gave instant takeovers and a write storm; now the driver refuses
@@ -79,6 +82,7 @@ def test_a_heartbeat_below_the_floor_or_not_a_number_is_refused_in_one_line(tmp_
     assert "\n" not in str(refused.value) and "from 1 to 600" in str(refused.value)
 
 
+@pytest.mark.unit
 def test_a_heartbeat_at_the_floor_or_unset_is_taken(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYCHAT_LEASE_HEARTBEAT_S", "1")
     assert RunLease(Storage(str(tmp_path / "run"))).heartbeat_s == 1.0
@@ -98,6 +102,7 @@ def _swap(path: Path, keep: Path, put: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.unit
 def test_a_holder_rides_out_an_outage_and_stops_only_on_a_newer_epoch(tmp_path, monkeypatch, capfd):
     """Storage gone for 2.5 s (8 beats of 0.3 s, past a 1 s retry budget: the run directory is a
     file meanwhile, so every listing and write fails): the holder used to stop its run after 3
@@ -137,6 +142,7 @@ def test_a_holder_rides_out_an_outage_and_stops_only_on_a_newer_epoch(tmp_path, 
         holder.release()
 
 
+@pytest.mark.integration  # moto's S3 server, the fault proxy
 def test_a_create_whose_answer_was_lost_is_the_drivers_own(s3_endpoint):
     """The retried create found the record the first try wrote, and the driver refused the run to
     itself ("taken by another driver ... pid <its own>"). It now counts as created."""
@@ -153,6 +159,7 @@ def test_a_create_whose_answer_was_lost_is_the_drivers_own(s3_endpoint):
             held.release()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("data", [b"[]", b"null", b"3", b'"x"', b"{}",
                                   b'{"epoch": "x", "holder": "h", "host": "h", "pid": 1, "started": "s", '
                                   b'"floor": 0}',
@@ -180,6 +187,7 @@ def test_a_record_of_the_wrong_shape_is_damage_in_one_line(tmp_path, data):
     assert fence.epochs(run) == [1]
 
 
+@pytest.mark.unit
 def test_an_older_raychats_long_beat_is_read_and_watched_for_at_most_the_longest_beat(tmp_path):
     """An older raychat took any heartbeat: its record (3600 s here) is no damage, and a newcomer
     watches it for at most three of the longest beats raychat takes now."""
@@ -255,6 +263,7 @@ def _one_rank_meets_the_takeover(rank: int, tmp: str, run_location: str) -> None
                 time.sleep(0.1)
 
 
+@pytest.mark.integration  # gloo ranks
 def test_a_lease_lost_in_one_ranks_background_save_stops_every_rank_at_the_same_step(ranks, tmp_path):
     """Rank 0 alone met the takeover (its background write was fenced) and used to leave the loop,
     while rank 1 waited in the next step's all-reduce until the collective's timeout (30 min in a

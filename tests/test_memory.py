@@ -36,6 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 
+@pytest.mark.unit
 def test_each_part_matches_the_hand_worked_numbers():
     # micro-batches of 2 rows (32 tokens), 2 of them per step, on 2 ranks, bf16, eager
     m = estimate_memory(CONFIG, PARAMS, micro_batch_rows=2, micro_batches=2, world_size=2, compute_bytes=2,
@@ -60,6 +61,7 @@ def test_each_part_matches_the_hand_worked_numbers():
     assert compiled.activations == 2 * 34 * 32 * 8 and compiled.transients == 8 * 32 * 50
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("depth,rows,seq_len,window", [(2, 4, 64, "L"), (3, 2, 128, "SSL")])
 def test_eager_activations_are_what_autograd_keeps(dtype, depth, rows, seq_len, window):
@@ -99,6 +101,7 @@ def test_predicted_peak_is_within_15_percent_of_a_real_steps_allocations(tmp_pat
     assert row["rss_peak_bytes"] >= row["allocated_peak_bytes"] * 0.95  # RSS holds what was allocated
 
 
+@pytest.mark.unit
 def test_embedding_tables_in_fp32_and_in_bf16():
     tables = embedding_tables(PARAMS, world_size=2, cfg=TrainConfig())
     assert tables.params == 600
@@ -112,6 +115,7 @@ def test_embedding_tables_in_fp32_and_in_bf16():
     assert plain.fp32_bytes == 4_800 and plain.bf16_bytes == 2_400
 
 
+@pytest.mark.unit
 def test_device_names_and_the_verdict():
     assert gpu_memory_gib("NVIDIA H100 80GB HBM3") == 79.6
     assert gpu_memory_gib("NVIDIA H100 NVL") == 93.6  # the longest matching name wins
@@ -123,6 +127,7 @@ def test_device_names_and_the_verdict():
     assert "does not fit small" in format_memory(m, tables, "GPU", 1.0, "small")[-1]
 
 
+@pytest.mark.unit
 def test_plan_prints_the_estimate_and_refuses_an_unknown_gpu(capsys, tmp_path):
     flags = ["--depth", "4", "--tokenizer-dir", str(tmp_path), "--data-dir", str(tmp_path)]
     assert plan_main([*flags, "--num-workers", "2", "--json"]) == 0
@@ -143,6 +148,7 @@ def test_plan_prints_the_estimate_and_refuses_an_unknown_gpu(capsys, tmp_path):
         plan_main([*flags, "--gpu", "TPU"])
 
 
+@pytest.mark.unit
 def test_auto_device_batch_is_the_largest_power_of_two_that_fits():
     """d24 on 8 workers (64 rows each per step), compiled bf16, on an 80 GB H100."""
     cfg = TrainConfig(depth=24, device_batch_size=-1, num_workers="8")
@@ -168,6 +174,7 @@ def test_auto_device_batch_is_the_largest_power_of_two_that_fits():
     assert "--device-batch-size (-1 picks the largest that fits)" in lines[0]
 
 
+@pytest.mark.unit
 def test_plan_resolves_auto_against_the_device_it_is_given(capsys, tmp_path):
     flags = ["--depth", "24", "--num-workers", "8", "--device-batch-size", "-1", "--tokenizer-dir",
              str(tmp_path), "--data-dir", str(tmp_path)]

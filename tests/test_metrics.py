@@ -44,10 +44,12 @@ def record(step: int = 383, num_iterations: int = 29000, loss: float = 3.369286,
                        tokens_so_far=(step + 1) * 2**19, flops_so_far=(step + 1) * 2**19 * 6e8)
 
 
+@pytest.mark.unit
 def test_step_line_reproduces_the_seed_line():
     assert record().line() == SEED_LINE
 
 
+@pytest.mark.unit
 def test_seed_line_follows_from_the_loop_arithmetic():
     """The seed's numbers are consistent with nanochat's rules, and so are ours: tok/sec is
     int(2**19 / dt); the eta is (29000 - 383) steps at the mean of the 373 timed steps."""
@@ -57,12 +59,14 @@ def test_seed_line_follows_from_the_loop_arithmetic():
     assert line == SEED_LINE
 
 
+@pytest.mark.unit
 def test_cpu_line_marks_mfu_na_and_has_no_eta_before_timed_steps():
     line = record(3, 40, 6.25, 0.1, 0.5, 8192, None, (0, 2, 7), 0.0, eta_seconds(3, 40, 0.0)).line()
     assert line == ("step 00003/00040 (7.50%) | loss: 6.250000 | lrm: 0.10 | dt: 500.00ms | tok/sec: 8,192 "
                     "| bf16_mfu: n/a | epoch: 0 pq: 2 rg: 7 | total time: 0.00m")
 
 
+@pytest.mark.unit
 def test_loop_arithmetic_by_hand():
     # EMA with beta 0.9 from 0, debiased: losses 4, 2 -> 0.4/0.1 = 4.0, then 0.56/0.19
     smooth, shown = smooth_loss(0.0, 4.0, step=0)
@@ -75,11 +79,13 @@ def test_loop_arithmetic_by_hand():
     assert eta_seconds(15, 100, 10.0) == pytest.approx(85 * 2.0)  # 5 timed steps, 2 s each
 
 
+@pytest.mark.unit
 def test_val_line():
     assert format_val_line(250, 1.2345671) == "Step 00250 | Validation bpb: 1.234567"
     assert format_val_line(0, 3.0) == "Step 00000 | Validation bpb: 3.000000"
 
 
+@pytest.mark.integration  # wandb's git calls, wandb-core, a subprocess
 def test_one_record_reaches_the_line_wandb_and_the_metrics_log(wandb_env, monkeypatch, tmp_path):
     """Publisher.step writes the same StepMetrics to every sink: nanochat's line, wandb (every 100
     steps, as nanochat) and the run's metrics log, whose records carry every field."""
@@ -129,6 +135,7 @@ class Recorded(Sink):
         self.flushes += 1
 
 
+@pytest.mark.unit
 def test_every_sink_in_the_list_gets_every_typed_record(tmp_path):
     """A sink is one class in the publisher's list: it gets the attempt's start, each step's StepMetrics
     with the run's goodput and seconds outside steps, and the report, in the order they happen; the
@@ -158,6 +165,7 @@ def test_every_sink_in_the_list_gets_every_typed_record(tmp_path):
 # tests/test_elastic.py.
 
 
+@pytest.mark.unit
 def test_unknown_gauge_name_is_an_error():
     metrics = RayMetrics("driver-side")
     with pytest.raises(ValueError, match="known: loss, tokens_per_sec"):
@@ -214,6 +222,7 @@ def wandb_env(tmp_path, monkeypatch):
     wandb.teardown()  # stops the wandb service process the test started
 
 
+@pytest.mark.unit
 def test_dummy_run_logs_nothing(wandb_env):
     logger = WandbLogger("dummy", config={"depth": 4})
     logger.log({"train/loss": 1.0}, step=1)
@@ -222,6 +231,7 @@ def test_dummy_run_logs_nothing(wandb_env):
     assert list(wandb_env.iterdir()) == []
 
 
+@pytest.mark.integration  # wandb's git calls, wandb-core
 def test_offline_run_records_the_logged_keys_and_never_prints_the_key(wandb_env, monkeypatch, capfd):
     import wandb
 
@@ -242,6 +252,7 @@ def test_offline_run_records_the_logged_keys_and_never_prints_the_key(wandb_env,
     assert FAKE_KEY not in out.out + out.err
 
 
+@pytest.mark.integration  # wandb's git calls, wandb-core
 def test_raychat_offline_without_wandb_mode_logs_offline(wandb_env, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("RAYCHAT_OFFLINE", "1")
@@ -251,6 +262,7 @@ def test_raychat_offline_without_wandb_mode_logs_offline(wandb_env, monkeypatch)
     assert len(list((wandb_env / "wandb").glob("offline-run-*"))) == 1
 
 
+@pytest.mark.integration  # wandb's git calls
 def test_online_without_credentials_is_one_clear_line(wandb_env, monkeypatch, capfd):
     for var in ("WANDB_MODE", "RAYCHAT_OFFLINE", "WANDB_API_KEY", "NETRC"):
         monkeypatch.delenv(var, raising=False)
@@ -288,6 +300,7 @@ def test_a_run_and_its_rerun_are_one_wandb_run_with_every_step_once(ray_session,
     assert kept["logged_step"] == 12
 
 
+@pytest.mark.unit
 def test_tokenizer_training_says_its_progress_on_a_large_corpus_only(tiny_corpus, tmp_path):
     """A line every so often while the corpus is read (here every batch: the interval is 0), then one
     when the merges start; nothing of it on a corpus read before the first interval ends."""

@@ -10,7 +10,6 @@ from urllib.parse import parse_qsl, urlsplit
 import pytest
 from conftest import s3_uri
 
-from bench.s3_fault_proxy import S3FaultProxy
 from raychat import faults
 from raychat.checkpoint.fence import Fence, LeaseRecord, create_record
 from raychat.storage import Storage
@@ -25,6 +24,7 @@ from raychat.telemetry.metrics_log import (
     read_log,
     read_timeline,
 )
+from testkit.s3_fault_proxy import S3FaultProxy
 
 
 def attempt(run: Storage, start: int, stop: int, evals: list[int], tag: str) -> MetricsLog:
@@ -60,6 +60,7 @@ def test_restarted_attempts_leave_the_final_timeline(storage):
         assert json.loads(lines[-1])["tag"] == "third"
 
 
+@pytest.mark.unit
 def test_a_rerun_that_goes_back_drops_what_came_after(tmp_path):
     """--resume-from-step 4 after a run that reached 10: steps and evals after 4 are the rerun's."""
     run = Storage(str(tmp_path / "r"))
@@ -70,6 +71,7 @@ def test_a_rerun_that_goes_back_drops_what_came_after(tmp_path):
     assert [(e["step"], e["tag"]) for e in timeline.evals] == [(0, "first"), (4, "rerun")]
 
 
+@pytest.mark.unit
 def test_non_finite_numbers_are_written_as_null(tmp_path):
     run = Storage(str(tmp_path / "r"))
     log = MetricsLog(run)
@@ -78,7 +80,6 @@ def test_non_finite_numbers_are_written_as_null(tmp_path):
     assert read_timeline(run).last_report["min_val_bpb"] is None
 
 
-@pytest.mark.parametrize("storage", ["local", "s3"], indirect=True)
 def test_steps_are_batched_and_a_superseded_writer_appends_nothing(storage, monkeypatch):
     """Step records wait for the next flush (LOCAL_FLUSH_S on local disk, REMOTE_FLUSH_S in a bucket,
     or any other record); every flush lists the run's lease first, so once another driver took the
@@ -138,6 +139,7 @@ assert log.wait(30)
 """
 
 
+@pytest.mark.integration  # a subprocess
 def test_an_append_cut_short_adds_nothing_and_loses_nothing(tmp_path):
     """Writes to local disk that fail halfway (the disk fills; here the process's file-size limit) are
     cut off again: no torn line, no record written twice, and the retry writes them all."""
@@ -155,6 +157,7 @@ def test_an_append_cut_short_adds_nothing_and_loses_nothing(tmp_path):
     assert [r["step"] for r in timeline.steps] == [0, 1, 2] and timeline.ledger.seconds["training"] == 3.0
 
 
+@pytest.mark.unit
 def test_torn_and_repeated_lines_are_read_once():
     """Where a write cut short could not be cut off again (a filesystem that refuses the truncation),
     the log keeps a torn line and the retry repeats what was written whole: a reader skips the torn
@@ -169,7 +172,6 @@ def test_torn_and_repeated_lines_are_read_once():
     assert timeline.ledger.seconds["training"] == 2.0
 
 
-@pytest.mark.parametrize("storage", ["local", "s3"], indirect=True)
 def test_steps_held_back_at_a_replica_are_written_by_the_attempt_resumed_from_it(storage, monkeypatch):
     """Rank 0 killed while it held step records back: those before its last memory replica travel with
     that set (`Publisher.held_back`, taken with the replica), and an attempt resumed from the set writes
@@ -234,6 +236,7 @@ def bucket_objects(run: Storage) -> dict[str, tuple[str, int]]:
     return {o["Key"][len(prefix) + 1:]: (o["ETag"], o["Size"]) for o in listed}
 
 
+@pytest.mark.integration  # moto's S3 server
 def test_a_bucket_log_is_one_new_object_per_flush(s3_endpoint):
     """An object store cannot append: each flush is a new object (a part) below the run, none is ever
     rewritten, and the parts in order are the log. A log an older writer left whole (with a torn last
@@ -268,6 +271,7 @@ def test_a_bucket_log_is_one_new_object_per_flush(s3_endpoint):
     assert [r["tag"] for r in read_timeline(run).starts] == ["old", "new", "next"]
 
 
+@pytest.mark.integration  # moto's S3 server, the fault proxy
 def test_the_training_thread_does_not_wait_on_a_stalled_bucket(s3_endpoint, monkeypatch):
     """Rank 0's training thread hands records over and goes on: a bucket frozen for a while (the fault
     proxy holds every request) delays the log, not the steps, and the log loses nothing meanwhile."""
@@ -293,6 +297,7 @@ def test_the_training_thread_does_not_wait_on_a_stalled_bucket(s3_endpoint, monk
     assert log.held_back() == []
 
 
+@pytest.mark.unit
 def test_the_training_thread_does_not_wait_on_a_hung_disk(tmp_path, capfd):
     """On local disk (or NFS) the log is appended in place, also off the training thread: a disk that
     hangs (here the log is a FIFO no one reads: opening it for writing blocks) delays the log only,
@@ -327,6 +332,7 @@ def test_the_training_thread_does_not_wait_on_a_hung_disk(tmp_path, capfd):
     assert [r["kind"] for r in parse_records(read_log(run))] == ["start", "step", "eval"]
 
 
+@pytest.mark.integration  # moto's S3 server, the fault proxy
 def test_a_failing_bucket_is_retried_then_said_once_and_nothing_is_lost(s3_endpoint, monkeypatch, capfd):
     """A burst of 500s is ridden out (raychat.faults.retry_transient) without a word about the log; a
     bucket that keeps failing past the retry budget is said in one line, without slowing the training
@@ -380,6 +386,7 @@ class _SlowStderr:
             raise OSError(9, "Bad file descriptor")
 
 
+@pytest.mark.unit
 def test_a_failed_write_is_said_before_a_waiter_hears_of_it_and_a_broken_stderr_ends_nothing(monkeypatch):
     """A caller that waited for a flush and heard it failed finds the writer's line already said (CI
     once read the output in that window and found nothing); a stderr that is gone (a detached job)

@@ -41,6 +41,7 @@ def tiny_model(seed=0, precision=None, **overrides) -> GPT:
 
 # --- configuration -------------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_gpt_config_d12_seed001():
     cfg = gpt_config(depth=12, aspect_ratio=64, head_dim=128, max_seq_len=2048, vocab_size=32768,
                      window_pattern="L")
@@ -48,6 +49,7 @@ def test_gpt_config_d12_seed001():
     assert (cfg.sequence_len, cfg.vocab_size, cfg.head_dim) == (2048, 32768, 128)
 
 
+@pytest.mark.unit
 def test_gpt_config_rounds_width_up_to_head_dim():
     cfg = gpt_config(5, 64, 128, 512, 1000, "L")     # 5 * 64 = 320 -> 384 = 3 heads of 128
     assert (cfg.n_embd, cfg.n_head) == (384, 3)
@@ -55,6 +57,7 @@ def test_gpt_config_rounds_width_up_to_head_dim():
     assert (cfg.n_embd, cfg.n_head) == (1280, 10)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kwargs,flag", [
     (dict(depth=0), "--depth"),
     (dict(aspect_ratio=0), "--aspect-ratio"),
@@ -75,11 +78,13 @@ def test_gpt_config_rejects_bad_input(kwargs, flag):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.unit
 def test_bad_gqa_is_rejected():
     with pytest.raises(RaychatError, match="n_kv_head"):
         GPT(tiny_config(n_kv_head=3))
 
 
+@pytest.mark.unit
 def test_window_sizes():
     # T=2048: S = 2048/4 = 512 (already a multiple of 128); SSSL tiled over 12 layers, last forced L
     assert window_sizes(GPTConfig(sequence_len=2048, n_layer=12, window_pattern="SSSL")) == \
@@ -90,6 +95,7 @@ def test_window_sizes():
     assert window_sizes(GPTConfig(sequence_len=512, n_layer=4, window_pattern="ls")) == [512, 128, 512, 512]
 
 
+@pytest.mark.unit
 def test_value_embedding_layers_alternate_from_the_last():
     assert [i for i in range(12) if has_value_embedding(i, 12)] == [1, 3, 5, 7, 9, 11]
     assert [i for i in range(5) if has_value_embedding(i, 5)] == [0, 2, 4]
@@ -97,6 +103,7 @@ def test_value_embedding_layers_alternate_from_the_last():
 
 # --- parameter counts ----------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_d12_parameter_count_by_hand():
     cfg = gpt_config(12, 64, 128, 2048, 32768, "L")
     with torch.device("meta"):
@@ -118,6 +125,7 @@ def test_d12_parameter_count_by_hand():
     assert counts["total"] == 286_261_730    # seed 001: 总参数量 286,261,730
 
 
+@pytest.mark.unit
 def test_vocab_is_padded_to_64_and_logits_sliced_back():
     model = tiny_model(vocab_size=100)
     assert model.transformer.wte.weight.shape[0] == 128 and model.lm_head.weight.shape[0] == 128
@@ -126,6 +134,7 @@ def test_vocab_is_padded_to_64_and_logits_sliced_back():
 
 # --- construction and init -----------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_meta_build_then_init_is_finite_fp32_and_on_device():
     model = tiny_model()
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
@@ -134,6 +143,7 @@ def test_meta_build_then_init_is_finite_fp32_and_on_device():
     assert logits.abs().max() < 15  # soft cap
 
 
+@pytest.mark.integration  # a subprocess
 def test_building_a_model_imports_no_sympy():
     """Every worker builds its model at each start: `materialize` keeps PyTorch's meta-tensor path,
     which imports sympy (1-2 s of a start on 2 cores), out of it. A fresh process, as a worker is."""
@@ -144,6 +154,7 @@ def test_building_a_model_imports_no_sympy():
     assert result.stdout.strip() == "False", result.stderr
 
 
+@pytest.mark.unit
 def test_init_is_deterministic_under_seed():
     a, b = tiny_model(seed=1).state_dict(), tiny_model(seed=1).state_dict()
     c = tiny_model(seed=2).state_dict()
@@ -151,6 +162,7 @@ def test_init_is_deterministic_under_seed():
     assert not torch.equal(a["transformer.wte.weight"], c["transformer.wte.weight"])
 
 
+@pytest.mark.unit
 def test_init_values_follow_nanochat():
     model = tiny_model(n_layer=3, n_embd=32)
     torch.testing.assert_close(model.resid_lambdas, torch.tensor([1.15, 1.10, 1.05]))
@@ -167,6 +179,7 @@ def test_init_values_follow_nanochat():
     assert 0.5 < model.transformer.wte.weight.std() < 1.1
 
 
+@pytest.mark.unit
 def test_loss_at_init_is_ln_vocab():
     model = tiny_model(vocab_size=512)
     x = torch.randint(0, 512, (4, 32))
@@ -175,6 +188,7 @@ def test_loss_at_init_is_ln_vocab():
 
 # --- forward contract ----------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_loss_reductions_and_ignore_index():
     model = tiny_model()
     x = torch.randint(0, 100, (3, 16))
@@ -193,6 +207,7 @@ def test_loss_reductions_and_ignore_index():
     torch.testing.assert_close(per_position[1, 3], manual)
 
 
+@pytest.mark.unit
 def test_causal_including_smear_and_value_embeddings():
     model = tiny_model(window_pattern="L")
     x = torch.randint(0, 100, (1, 20))
@@ -203,6 +218,7 @@ def test_causal_including_smear_and_value_embeddings():
     assert (a[:, 12:] - b[:, 12:]).abs().max() > 0
 
 
+@pytest.mark.unit
 def test_sliding_window_only_changes_positions_beyond_the_window():
     # T = 256: S windows are 256/4 = 64 -> rounded up to 128. Same weights, pattern S vs L.
     torch.manual_seed(0)
@@ -221,6 +237,7 @@ def test_sliding_window_only_changes_positions_beyond_the_window():
     assert (a[:, 129:] - b[:, 129:]).abs().max() > 1e-4
 
 
+@pytest.mark.unit
 def test_sequence_beyond_rotary_cache_fails_clearly():
     model = tiny_model(sequence_len=4)
     assert model(torch.zeros(1, 40, dtype=torch.long)).shape == (1, 40, 100)  # 10 x sequence_len is fine
@@ -228,6 +245,7 @@ def test_sequence_beyond_rotary_cache_fails_clearly():
         model(torch.zeros(1, 41, dtype=torch.long))
 
 
+@pytest.mark.unit
 def test_training_steps_lower_the_loss():
     model = tiny_model(vocab_size=64)
     batch = torch.randint(0, 64, (4, 33))
@@ -283,6 +301,7 @@ def assert_close_to(got, want, rtol=1e-5, scale=5e-6):
     torch.testing.assert_close(got.to(want.dtype), want, rtol=rtol, atol=scale * want.abs().max().item())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_fused_loss_and_grads_match_plain_chain_and_exact_math(reduction, dtype):
@@ -301,6 +320,7 @@ def test_fused_loss_and_grads_match_plain_chain_and_exact_math(reduction, dtype)
         assert loss.item() == pytest.approx(fused_loss(x, weight, targets, "sum").item() / 23, rel=1e-6)
 
 
+@pytest.mark.unit
 def test_fused_loss_none_is_per_row_and_evaluation_only():
     x, weight, targets = fused_loss_inputs(torch.float32)
     with torch.no_grad():
@@ -317,6 +337,7 @@ def test_fused_loss_none_is_per_row_and_evaluation_only():
         fused_loss(x, weight, targets, "max")
 
 
+@pytest.mark.unit
 def test_fused_loss_bf16_compute():
     # bf16 matmuls as on CUDA: dx in bf16, dW in fp32. The fused dW adds bf16 per-chunk products in
     # fp32, the plain one rounds one bf16 product: both within bf16 rounding (2^-8) of each other.
@@ -328,6 +349,7 @@ def test_fused_loss_bf16_compute():
         assert_close_to(got, expected, rtol=1e-2, scale=1e-2)
 
 
+@pytest.mark.unit
 def test_gpt_fused_and_plain_loss_give_the_same_parameter_grads(monkeypatch):
     """A tiny GPT's loss.backward() through the fused loss (the eager default) and through the plain
     chain (RAYCHAT_FUSED_CE=0): same loss, same gradient for every parameter."""
@@ -374,6 +396,7 @@ def test_gpt_fused_and_plain_loss_give_the_same_parameter_grads(monkeypatch):
 
 # --- precision -----------------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_bf16_compute_keeps_fp32_weights_and_logits():
     x = torch.randint(0, 100, (2, 16))
     reference = tiny_model()(x, x)
@@ -390,6 +413,7 @@ def test_bf16_compute_keeps_fp32_weights_and_logits():
 
 # --- optimizer sets, flops, generation -----------------------------------------------------------
 
+@pytest.mark.unit
 def test_optimizer_param_sets_cover_every_parameter_once():
     model = tiny_model(n_layer=4)
     sets = model.optimizer_param_sets()
@@ -409,6 +433,7 @@ def meta_model(config: GPTConfig) -> GPT:
         return GPT(config)
 
 
+@pytest.mark.unit
 def test_estimate_flops_d12_is_nanochats_figure():
     # nanochat's GPT.estimate_flops for d12, window L, head_dim 128, vocab 32768, T 2048 (its base_train
     # prints "Estimated FLOPs per token: 8.870980e+08"): 887,098,032. By hand: the matmul weights are
@@ -421,6 +446,7 @@ def test_estimate_flops_d12_is_nanochats_figure():
     assert meta_model(gpt_config(12, 64, 128, 2048, 32768, "SSSL")).estimate_flops() == 759_696_048
 
 
+@pytest.mark.unit
 def test_estimate_flops_tiny_config_by_hand():
     # 2 layers, width 32, 2 query heads of 16, 1 kv head (GQA), vocab 50 padded to 64, T 256, pattern S
     # -> windows [128 (256 / 4 rounded up to 128), 256 (the last layer is always L)].
@@ -436,6 +462,7 @@ def test_estimate_flops_tiny_config_by_hand():
     assert meta_model(config).estimate_flops() == 147_672 + 76_800
 
 
+@pytest.mark.unit
 def test_generate_greedy_matches_argmax_and_sampling_is_seeded():
     model = tiny_model(sequence_len=8)
     prompt = [1, 2, 3]
@@ -455,6 +482,7 @@ def test_generate_greedy_matches_argmax_and_sampling_is_seeded():
 
 # --- compiled, with FlexAttention, on CPU ---------------------------------------------------------
 
+@pytest.mark.integration  # torch.compile: inductor runs a C++ compiler
 def test_compiled_flex_forward_matches_eager_sdpa(monkeypatch):
     """The GPU configuration (torch.compile, SSSL through FlexAttention block masks) on CPU against
     the eager masked-SDPA model, same weights and batch. FlexAttention has no CPU backward in torch
@@ -477,6 +505,7 @@ def test_compiled_flex_forward_matches_eager_sdpa(monkeypatch):
     assert abs(eager - math.log(100)) < 0.5  # a real loss, not a constant
 
 
+@pytest.mark.integration  # torch.compile: inductor runs a C++ compiler
 def test_compiled_sssl_training_matches_eager():
     """`--compile on --window-pattern SSSL` on CPU, as the trainer runs it there (sliding windows as
     masked SDPA inside the compiled graph; the plain loss chain instead of the fused one): three
@@ -497,6 +526,7 @@ def test_compiled_sssl_training_matches_eager():
     torch.testing.assert_close(compiled_w, eager_w, rtol=0, atol=1e-4)
 
 
+@pytest.mark.unit
 def test_a_model_built_on_a_real_device_and_given_weights_computes_what_the_original_does():
     """build_model builds shapes on meta and init_weights fills every value, derived buffers too; a
     model built straight on the CPU (outside code, a notebook) and given a state dict has no

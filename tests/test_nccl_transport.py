@@ -12,6 +12,8 @@ import pytest
 from raychat.ray_glue import nccl_transport
 from raychat.ray_glue.nccl_transport import NcclReport, expand_debug_file, parse_nccl_net
 
+pytestmark = pytest.mark.unit
+
 # NCCL 2.2x with aws-ofi-nccl on EFA (two H200 nodes; "Using network Libfabric" is the plugin's name).
 # https://github.com/NVIDIA/nccl/issues/1597
 OFI_EFA = [

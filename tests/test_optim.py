@@ -14,6 +14,8 @@ from raychat.model.gpt import build_model, gpt_config
 from raychat.optim.muon import POLAR_EXPRESS_COEFFS
 from raychat.optim.muon_adamw import MuonAdamW, build_optimizer
 
+pytestmark = pytest.mark.unit
+
 # ---- the reference ---------------------------------------------------------------------------
 
 

@@ -29,6 +29,8 @@ from helpers import assert_bitwise_equal
 from raychat.model.gpt import build_model, gpt_config
 from raychat.optim.muon_adamw import build_optimizer
 
+pytestmark = pytest.mark.integration  # gloo ranks
+
 ROWS, T, VOCAB = 7, 16, 200
 STEPS_BEFORE_SAVE, STEPS_AFTER_SAVE = 2, 2
 DATA_PARALLEL_STEPS = 3

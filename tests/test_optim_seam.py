@@ -87,6 +87,7 @@ def momenta(optimizer: ShardedOptimizer) -> dict[str, torch.Tensor]:
             for name, p in zip(group["names"], group["params"], strict=True)}
 
 
+@pytest.mark.unit
 def test_every_registered_optimizer_builds_one_by_its_name():
     for name in OPTIMIZERS:
         c = components(flags("--optimizer", name))
@@ -101,6 +102,7 @@ def test_every_registered_optimizer_builds_one_by_its_name():
         flags("--optimizer", "sgd", "--sgd-momentum", "1")
 
 
+@pytest.mark.unit
 def test_the_step_schedules_every_lr_and_what_the_optimizer_itself_schedules():
     step = 9  # past the warmup, so nothing is at its start value
     for name in OPTIMIZERS:
@@ -116,6 +118,7 @@ def test_the_step_schedules_every_lr_and_what_the_optimizer_itself_schedules():
                 assert group["momentum"] == c.cfg.sgd_momentum
 
 
+@pytest.mark.unit
 def test_sgd_trains_and_a_checkpoint_of_it_resumes_bit_for_bit(tmp_path):
     cfg = flags(*SGD_FLAGS)
     assert cfg.optimizer == "sgd" and isinstance(components(cfg).optimizer, SGD)
@@ -137,6 +140,7 @@ def test_sgd_trains_and_a_checkpoint_of_it_resumes_bit_for_bit(tmp_path):
         assert torch.equal(weights, resumed.model.state_dict()[name]), name
 
 
+@pytest.mark.unit
 def test_a_checkpoint_resumes_only_under_the_optimizer_that_saved_it(tmp_path):
     for saved, other in (("sgd", "muon_adamw"), ("muon_adamw", "sgd")):
         cfg = flags("--optimizer", saved)
@@ -156,6 +160,7 @@ def test_a_checkpoint_resumes_only_under_the_optimizer_that_saved_it(tmp_path):
         check_resume_fits(cfg, resolve_plan(cfg, VOCAB), None, meta, checkpoint)  # the same one passes
 
 
+@pytest.mark.unit
 def test_the_memory_estimate_counts_sgd_state_by_hand():
     """PARAMS: 4,000 parameters, 1,000 of them AdamW's and 3,000 Muon's (tests/helpers.py); 2 ranks."""
     args = dict(micro_batch_rows=2, micro_batches=2, world_size=2, compute_bytes=2, compiled=False)
@@ -178,6 +183,7 @@ def test_the_memory_estimate_counts_sgd_state_by_hand():
     assert plain.peak == sgd.peak - 4 * 4000
 
 
+@pytest.mark.unit
 def test_sgd_without_momentum_keeps_saves_and_reads_no_state(tmp_path):
     """--sgd-momentum 0: SGD keeps no state, so a checkpoint holds none of it and a resume continues
     bit for bit from the weights alone; a checkpoint saved with momentum, resumed without it, reads
@@ -223,6 +229,7 @@ def _rank(rank: int, tmp: str) -> None:
         torch.save(out, Path(tmp) / f"rank{rank}.pt")
 
 
+@pytest.mark.integration  # gloo ranks
 def test_two_ranks_of_sgd_take_the_one_rank_steps_and_resume_at_either_world_size(ranks, tmp_path):
     ranks.run(_rank, 2, str(tmp_path))
     one = components(flags(*SGD_FLAGS))
@@ -242,6 +249,7 @@ def test_two_ranks_of_sgd_take_the_one_rank_steps_and_resume_at_either_world_siz
 
 
 
+@pytest.mark.integration  # a subprocess
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_a_cpu_worker_builds_and_steps_without_loading_torchdynamo(optimizer):
     """A worker on the CPU never loads TorchDynamo: torch.optim.Optimizer's methods would, at the

@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 
 from raychat.data.packer import BestFitPacker
 
+pytestmark = pytest.mark.unit
+
 BOS = 99
 
 

@@ -22,6 +22,7 @@ def run_plan(commands, *args: str, home: Path | None = None) -> subprocess.Compl
     return commands.run("raychat.plan", *args, cwd=REPO, env=env, timeout=180)
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 def test_depth_24_from_a_fresh_home(commands, tmp_path):
     """No tokenizer anywhere: the vocabulary comes from --vocab-size, the rest from the scaling rules."""
     result = run_plan(commands, "--depth", "24", "--json", home=tmp_path)
@@ -37,6 +38,7 @@ def test_depth_24_from_a_fresh_home(commands, tmp_path):
     assert plan["total_tokens"] == plan["num_iterations"] * 2**20
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 def test_vocab_size_comes_from_the_tokenizer(commands, tmp_path):
     """A trained tokenizer in --tokenizer-dir wins over --vocab-size (training would use it)."""
     import pyarrow as pa
@@ -61,6 +63,7 @@ def test_vocab_size_comes_from_the_tokenizer(commands, tmp_path):
     assert plan["params"]["wte"] == 320 * 2 * 64  # vocab padded to a multiple of 64, width 2 x 64
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 def test_seed_001_through_the_cli(commands):
     result = run_plan(commands, "--depth", "12", "--window-pattern", "L", "--total-batch-size", "65536",
                       "--num-iterations", "10000", "--device-batch-size", "8",
@@ -74,6 +77,7 @@ def test_seed_001_through_the_cli(commands):
     assert plan["grad_accum_steps"] == 4
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 def test_readable_table_with_workers(commands):
     result = run_plan(commands, "--preset", "cpu", "--num-workers", "3")
     assert result.returncode == 0, result.stderr
@@ -85,6 +89,7 @@ def test_readable_table_with_workers(commands):
     assert re.search(r"optimizer steps +60$", out, re.M)
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 @pytest.mark.parametrize("args, flag", [
     (["--depth", "0"], "--depth"),
     (["--depth", "4", "--head-dim", "63"], "--head-dim"),  # rotary embeddings need channel pairs
@@ -101,6 +106,7 @@ def test_bad_input_is_one_line_and_exit_2(commands, args, flag):
     assert flag in lines[0]
 
 
+@pytest.mark.unit
 def test_the_cpu_preset_says_what_it_chose_and_why():
     from raychat.config import PRESETS, preset_note
 

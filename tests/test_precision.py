@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
 
 
+@pytest.mark.unit
 def test_cpu_flag_is_read_from_cpuinfo():
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     assert precision.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
@@ -25,6 +26,7 @@ WITH_BF16 = {"fpu", "sse4_2", "avx2", "avx512f", "avx512bw", "avx512_bf16", "avx
 WITHOUT_BF16 = {"fpu", "sse4_2", "avx2", "avx512f", "avx512bw", "avx512_vnni"}
 
 
+@pytest.mark.unit
 def test_auto_picks_bf16_only_on_cpus_with_native_bf16(monkeypatch):
     dtype, why = precision.cpu_auto_dtype(WITH_BF16)
     assert dtype == torch.bfloat16 and "avx512_bf16" in why
@@ -43,6 +45,7 @@ def test_auto_picks_bf16_only_on_cpus_with_native_bf16(monkeypatch):
         assert ("has no native bf16" in line) == (expected == torch.float32)
 
 
+@pytest.mark.unit
 def test_bf16_on_cpu_needs_native_bf16(monkeypatch):
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     assert resolve_precision("bf16", False, "tensorwise", CPU).name == "bf16"
@@ -51,6 +54,7 @@ def test_bf16_on_cpu_needs_native_bf16(monkeypatch):
         resolve_precision("bf16", False, "tensorwise", CPU)
 
 
+@pytest.mark.unit
 def test_fp8_on_cpu_only_emulated(monkeypatch):
     monkeypatch.delenv("RAYCHAT_FP8_EMULATE", raising=False)
     with pytest.raises(RaychatError, match=r"^--fp8 needs a CUDA GPU of SM89.*the CPU.*drop --fp8"):
@@ -63,6 +67,7 @@ def test_fp8_on_cpu_only_emulated(monkeypatch):
         resolve_precision("auto", True, "axiswise", CPU)
 
 
+@pytest.mark.unit
 def test_plan_line_says_what_runs_and_never_raises(monkeypatch):
     monkeypatch.delenv("RAYCHAT_FP8_EMULATE", raising=False)
     dtype, why = precision.run_auto_dtype(CPU)
@@ -72,12 +77,14 @@ def test_plan_line_says_what_runs_and_never_raises(monkeypatch):
     assert refused.startswith("refused on this machine (CPU): --fp8")
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 def test_plan_json_has_the_precision(commands):
     out = commands.run("raychat.plan", "--preset", "cpu", "--dtype", "fp32", "--json", timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert '"precision": "fp32 on CPU"' in out.stdout
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
 @pytest.mark.parametrize("flags,message", [
     (["--fp8"], "raychat: error: --fp8 needs a CUDA GPU of SM89 or newer"),

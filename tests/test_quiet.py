@@ -52,6 +52,7 @@ def test_tiny_run_calls_no_deprecated_ray_api_and_logs_no_chatter(ray_session, t
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.integration  # a subprocess
 def test_a_process_of_the_run_starts_without_loading_ray_train_ray_data_or_torch():
     """Every Ray worker process of a run runs the setup hook as it starts (raychat.ray_glue.runtime_env):
     the replica holders and the coordinator too, which never use Ray Train or Ray Data. Loading both
@@ -79,6 +80,7 @@ def restored_logging():
     progress.filters[:] = levels[2]
 
 
+@pytest.mark.unit
 def test_verbose_keeps_rays_chatter(restored_logging, monkeypatch):
     chatty, console = restored_logging
     assert console, "Ray Data's console handler moved: update raychat.ray_glue.quiet"
@@ -100,6 +102,7 @@ def test_verbose_keeps_rays_chatter(restored_logging, monkeypatch):
     assert progress.filter(other)
 
 
+@pytest.mark.unit
 def test_driver_drops_rays_preemption_watcher_error_and_keeps_other_errors(capsys, monkeypatch):
     """The one ERROR line Ray's own PreemptionCallback causes at every worker-group start is dropped
     (raychat.ray_glue.ray_internals.PREEMPTION_WATCHER_ARGS); --verbose keeps it; other errors always show."""
@@ -118,6 +121,7 @@ def test_driver_drops_rays_preemption_watcher_error_and_keeps_other_errors(capsy
     assert printed[-1] == [watcher, other]
 
 
+@pytest.mark.unit
 def test_ray_line_says_where_the_dashboard_is_and_how_to_get_its_token(monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     assert ray_line("127.0.0.1:6379", "127.0.0.1:8265", joined=False) == (

@@ -29,6 +29,7 @@ def _require(obj: object, attribute: str, where: str) -> object:
     return getattr(obj, attribute)
 
 
+@pytest.mark.unit
 def test_stdstream_dispatcher_has_the_handler_api():
     dispatcher = _require(_module("raychat.ray_glue.ray_internals"), "STDSTREAM_DISPATCHER", "ray_internals")
     for name in ("add_handler", "remove_handler", "handlers"):
@@ -36,6 +37,7 @@ def test_stdstream_dispatcher_has_the_handler_api():
     assert isinstance(dispatcher.handlers, list), NEEDED
 
 
+@pytest.mark.unit
 def test_controller_callback_hooks_and_states_exist():
     internals = _module("raychat.ray_glue.ray_internals")
     ControllerCallback = internals.ControllerCallback
@@ -47,6 +49,7 @@ def test_controller_callback_hooks_and_states_exist():
         assert inspect.isclass(getattr(internals, state)), f"{state} is not a class ({NEEDED})"
 
 
+@pytest.mark.unit
 def test_train_context_carries_the_preemption_info():
     context = _module("ray.train.v2._internal.execution.context")
     preemption = _module("ray.train.v2._internal.execution.preemption")
@@ -60,6 +63,7 @@ def test_train_context_carries_the_preemption_info():
     assert "deadline_ms" in fields, f"PreemptionInfo has no deadline ({NEEDED})"
 
 
+@pytest.mark.unit
 def test_autoscaling_coordinator_can_be_asked_to_recompute():
     module = _module("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator")
     actor = _require(module, "_AutoscalingCoordinatorActor", module.__name__)
@@ -72,6 +76,7 @@ def test_autoscaling_coordinator_can_be_asked_to_recompute():
         f"the autoscaling coordinator actor is no longer named {name!r} in {namespace!r} ({NEEDED})")
 
 
+@pytest.mark.unit
 def test_a_train_controllers_resource_request_can_be_found_and_cancelled():
     """raychat.elastic releases a killed controller's request by the id Ray Train registers it under."""
     module = _module("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator")
@@ -94,6 +99,7 @@ def _logger_of(module_name: str) -> tuple[object, str]:
     return logger, inspect.getsource(module)
 
 
+@pytest.mark.unit
 def test_the_loggers_of_rays_chatter_still_say_it():
     """raychat.ray_glue.quiet silences these loggers by name: each still exists and still says its line."""
     internals = _module("raychat.ray_glue.ray_internals")
@@ -111,6 +117,7 @@ def test_the_loggers_of_rays_chatter_still_say_it():
     assert prefix in source, f"{name} no longer says {prefix!r} ({NEEDED})"
 
 
+@pytest.mark.unit
 def test_ray_datas_console_is_a_stream_handler_beside_its_file_handler():
     """raychat.ray_glue.quiet raises Ray Data's console handler to WARNING and leaves its file handler at
     INFO: the console is the one StreamHandler, the file handler is not one."""
@@ -123,6 +130,7 @@ def test_ray_datas_console_is_a_stream_handler_beside_its_file_handler():
     assert any(type(h).__name__ == "SessionFileHandler" for h in handlers if h not in console), NEEDED
 
 
+@pytest.mark.unit
 def test_rays_preemption_watcher_is_still_created_so():
     """The ERROR line the driver drops comes from Ray's own PreemptionCallback: a restartable actor
     created with the workers' actor handles as constructor arguments. When Ray changes that, the
@@ -138,6 +146,7 @@ def test_rays_preemption_watcher_is_still_created_so():
     assert _module("raychat.ray_glue.ray_internals").PREEMPTION_WATCHER_ARGS.search(line)
 
 
+@pytest.mark.unit
 def test_a_trainer_without_datasets_starts_no_ray_data_manager():
     """raychat's trainer drops Ray Train's DatasetsCallback (a DatasetManager actor per attempt) when it
     was given no datasets, and keeps it when it was: the hook it overrides still lists that callback."""
@@ -161,6 +170,7 @@ def test_a_trainer_without_datasets_starts_no_ray_data_manager():
     assert datasets_callback in kinds(RaychatTrainer, datasets={"train": lambda: None})
 
 
+@pytest.mark.unit
 def test_the_trainer_is_rays_torch_trainer_with_the_flags_timeout():
     """raychat's process group is Ray's own TorchConfig (its backend, init_method, shutdown guard per
     device), given --process-group-timeout-s, Ray's default when not given; the trainer subclass
@@ -185,6 +195,7 @@ def test_the_trainer_is_rays_torch_trainer_with_the_flags_timeout():
     assert overridden == {"_create_default_callbacks"}, overridden
 
 
+@pytest.mark.integration  # a subprocess
 def test_the_state_api_pin_reads_what_rays_own_lookup_reads():
     """raychat.ray_glue.ray_internals.pin_state_api_to_this_cluster reads the dashboard's address where
     Ray's own address lookup does (ray.dashboard.utils.ray_address_to_api_server_url) and names it in
@@ -205,6 +216,7 @@ def test_the_state_api_pin_reads_what_rays_own_lookup_reads():
     assert done.returncode == 0 and done.stdout.split() == ["unset"], done.stderr[-2000:]
 
 
+@pytest.mark.unit
 def test_the_gcs_client_takes_a_deadline_and_refusals_have_their_types():
     """gcs_refusal's one request: InnerGcsClient.standalone(address, cluster_id, timeout_ms), raising
     AuthenticationError for a refused token and RpcError for a server that is not a GCS."""

@@ -43,6 +43,7 @@ EXAMPLES = [(META, "step"), (PLAN, "num_iterations"), (PLAN.model, None), (FLAGS
 IDS = [type(record).__name__ for record, _ in EXAMPLES]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("record", "required"), EXAMPLES, ids=IDS)
 def test_each_record_round_trips_through_json(record, required):
     data = json.loads(json.dumps(record.to_dict()))
@@ -50,6 +51,7 @@ def test_each_record_round_trips_through_json(record, required):
     assert type(record).from_dict(data) == record
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("record", "required"), EXAMPLES, ids=IDS)
 def test_an_unknown_field_is_refused_in_one_line_naming_record_and_field(record, required):
     data = {**record.to_dict(), "stpe": 8}
@@ -60,6 +62,7 @@ def test_an_unknown_field_is_refused_in_one_line_naming_record_and_field(record,
     assert "\n" not in message
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("record", "required"), [e for e in EXAMPLES if e[1]],
                          ids=[i for i, e in zip(IDS, EXAMPLES, strict=True) if e[1]])
 def test_a_missing_field_is_refused_in_one_line_naming_record_and_field(record, required):
@@ -70,6 +73,7 @@ def test_a_missing_field_is_refused_in_one_line_naming_record_and_field(record, 
     assert str(err.value) == f"{type(record).__name__} lacks the field {required!r}"
 
 
+@pytest.mark.unit
 def test_a_nested_record_names_its_path_and_the_file():
     data = META.to_dict()
     data["cursor"]["ranks"][1]["pendng"] = []
@@ -79,6 +83,7 @@ def test_a_nested_record_names_its_path_and_the_file():
                                      "RankCursor has an unknown field 'pendng'")
 
 
+@pytest.mark.unit
 def test_a_newer_version_is_refused_and_credentials_never_reach_the_json():
     data = {**RESULT.to_dict(), "version": FinalResult.VERSION + 1}
     with pytest.raises(RecordError, match="FinalResult has version 2, this raychat reads versions 1 to 1"):
@@ -109,6 +114,7 @@ WRONG_KINDS = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("record", "key", "value", "expected", "got"), WRONG_KINDS,
                          ids=[f"{type(r).__name__}.{k}={v!r}" for r, k, v, _, _ in WRONG_KINDS])
 def test_a_plain_field_of_the_wrong_kind_is_refused_in_one_line(record, key, value, expected, got):
@@ -119,6 +125,7 @@ def test_a_plain_field_of_the_wrong_kind_is_refused_in_one_line(record, key, val
                               f"kind: expected {expected}, got {got}")
 
 
+@pytest.mark.unit
 def test_what_a_field_may_hold_besides_its_exact_type_still_loads():
     """An int where a float is declared (a whole number as another tool writes it), None where the
     annotation allows it, a tuple where a list is (a pickled dict keeps tuples)."""
@@ -128,6 +135,7 @@ def test_what_a_field_may_hold_besides_its_exact_type_still_loads():
     assert FLAGS.from_dict({**FLAGS.to_dict(), "gpus_per_worker": 1}).gpus_per_worker == 1
 
 
+@pytest.mark.unit
 def test_a_nested_records_wrong_kind_names_its_path():
     data = META.to_dict()
     data["cursor"]["ranks"][1]["next_position"] = "7"
@@ -137,6 +145,7 @@ def test_a_nested_records_wrong_kind_names_its_path():
                               "has the field 'next_position' of the wrong kind: expected int, got str")
 
 
+@pytest.mark.unit
 def test_the_stop_note_round_trips_through_storage(tmp_path):
     write_stop_note(str(tmp_path), "run", STOP)
     assert read_stop_note(str(tmp_path), "run") == STOP
@@ -146,6 +155,7 @@ def test_the_stop_note_round_trips_through_storage(tmp_path):
         read_stop_note(str(tmp_path), "run")
 
 
+@pytest.mark.ray
 def test_the_workers_config_reaches_them_typed(ray_session):
     import ray
 
@@ -185,6 +195,7 @@ def v2_meta() -> dict:
     }
 
 
+@pytest.mark.unit
 def test_the_previous_versions_meta_json_still_loads():
     meta = CheckpointMeta.from_json(json.dumps(v2_meta()))
     assert meta.model_config == PLAN.model and meta.plan == PLAN
@@ -205,6 +216,7 @@ def test_the_previous_versions_meta_json_still_loads():
     assert (old.step, old.world_size, old.sequence, old.parent) == (5, 2, 0, None)
 
 
+@pytest.mark.unit
 def test_a_first_release_meta_json_loads_with_what_it_lacks_unknown_and_a_bad_value_is_one_line():
     """The first release's plan had no precision: the checkpoint stays readable (its plan unknown),
     rather than being skipped and the run started over. A value of the wrong kind, or a stored flag
@@ -221,6 +233,7 @@ def test_a_first_release_meta_json_loads_with_what_it_lacks_unknown_and_a_bad_va
         assert str(err.value).startswith("ckpt/meta.json") and "\n" not in str(err.value)
 
 
+@pytest.mark.unit
 def test_every_record_is_a_record():
     """Every process boundary's type mixes in Record: no untyped dict is left in a checkpoint's meta."""
     assert all(isinstance(record, Record) for record, _ in EXAMPLES)

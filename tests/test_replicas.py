@@ -31,6 +31,7 @@ from raychat.worker.step import train_step
 CPU = torch.device("cpu")
 
 
+@pytest.mark.unit
 def test_each_rank_is_mirrored_on_the_next_node_of_the_ring():
     # ranks 0,1 on node b, 2 on a, 3 on c: the ring is a -> b -> c -> a
     assert peer_nodes(["b", "b", "a", "c"]) == ["c", "c", "b", "a"]
@@ -43,6 +44,7 @@ def _inventory(epoch, step, attempt, ranks, world):
             for r in ranks]
 
 
+@pytest.mark.unit
 def test_a_restore_takes_the_newest_whole_set_of_its_epoch_not_older_than_storage():
     # holder A kept ranks 0 of steps 10 and 11, holder B rank 1 of step 10 only (11 was in flight)
     a = _inventory(3, 10, 0, [0], 2) + _inventory(3, 11, 0, [0], 2)
@@ -56,6 +58,7 @@ def test_a_restore_takes_the_newest_whole_set_of_its_epoch_not_older_than_storag
     assert choose_set([a, b, c], epoch=3, min_step=0) == ((11, 1), 3)
 
 
+@pytest.mark.unit
 def test_the_storage_cadence_leans_on_peer_memory_only_while_a_peer_holds_a_recent_replica():
     peered = Replicator(object(), object(), epoch=1, attempt=0, log=print, warn=print, every=3)
     alone = Replicator(object(), None, epoch=1, attempt=0, log=print, warn=print, every=3)
@@ -89,6 +92,7 @@ def test_the_storage_cadence_leans_on_peer_memory_only_while_a_peer_holds_a_rece
         alone.close()
 
 
+@pytest.mark.unit
 def test_auto_interval_loses_least_at_the_planned_loss_rate_within_the_budgets():
     # Young/Daly at one loss per 600 s: a 10 ms copy every T s against T/2 redone per loss is least
     # at T = sqrt(2 x 0.01 x 600) = 3.46 s, where 1 step would do for the 2% budget (0.01 / 0.02)
@@ -115,6 +119,7 @@ def test_auto_interval_loses_least_at_the_planned_loss_rate_within_the_budgets()
     assert "off (--replicate-every -1)" in replica_line(-1)
 
 
+@pytest.mark.unit
 def test_auto_replicates_at_least_as_often_as_an_explicit_save_interval():
     """A restore reads the newer of memory and storage: replicas rarer than --save-every N are never
     read, so auto takes N where its own interval is longer, but never so often that the copies pass
@@ -375,6 +380,7 @@ def test_auto_on_a_cpu_counts_the_sends_cpu_time_not_its_wait_on_the_holders(ray
         ray.kill(holder)
 
 
+@pytest.mark.integration  # a subprocess
 def test_the_coordinators_process_imports_no_torch():
     """The run's coordinator is a process on every run's start path (the driver creates it before the
     worker group), and it starts the replica holders: on a 2-core node a torch import is 1.5-3 s of

@@ -35,6 +35,7 @@ from raychat.worker.state import apply_share, read_share, state_pieces
 SECRET_URI = "s3://AKIDEXAMPLE:wJalrXUtnFEMI@bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http"
 
 
+@pytest.mark.unit
 def test_credentials_never_leave_the_uri():
     assert redact(SECRET_URI) == "s3://***@bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http"
     with_params = "s3://bucket/runs?access_key=AK&secret_key=SK&session_token=T&region=eu"
@@ -48,6 +49,7 @@ def test_credentials_never_leave_the_uri():
     assert ray_storage("/data/runs") == {"storage_path": "/data/runs"}
 
 
+@pytest.mark.unit
 def test_a_checkpoint_the_driver_chose_that_is_gone_is_an_error(tmp_path):
     run = Storage(str(tmp_path / "run"))
     assert candidates(run, "session", None) == []  # a fresh run
@@ -67,6 +69,7 @@ def _optimizer(lr_scale: float):
     return model, optimizer
 
 
+@pytest.mark.unit
 def test_resumed_optimizer_keeps_the_rates_it_was_built_with(tmp_path):
     """The worker's resume path (its pieces saved, read back by read_share/apply_share): the moments
     come back, the rates are the rerun's."""
@@ -205,6 +208,7 @@ def test_a_grown_corpus_is_refused_before_any_worker(ray_session, tiny_corpus, t
     assert all_files(run) == before
 
 
+@pytest.mark.unit
 def test_a_rank_with_another_tokenizer_is_refused_in_one_line(tiny_corpus, tmp_path):
     """A node whose tokenizer directory was made at another time (another vocabulary) is refused by
     name before it trains a token; the driver's own tokenizer passes."""

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from reused_processes import Ranks
 
+pytestmark = pytest.mark.integration  # subprocesses, reused interpreters, gloo ranks
+
 # A command that writes through Python and around it (C code's writes to the file descriptors), warns,
 # reads its environment and argv, and exits in each way a command can.
 COMMAND = r'''

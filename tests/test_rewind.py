@@ -10,7 +10,6 @@ import torch
 from conftest import s3_uri
 from helpers import all_files, copy_tree, refusal, run_train, tiny_flags
 
-from bench.s3_fault_proxy import S3FaultProxy
 from raychat.checkpoint import fence
 from raychat.checkpoint.fence import Fence, LeaseLost
 from raychat.checkpoint.format import (
@@ -36,6 +35,7 @@ from raychat.model.gpt import GPTConfig
 from raychat.run.driver import hold_run
 from raychat.run.prepare import prepare_run
 from raychat.storage import Storage
+from testkit.s3_fault_proxy import S3FaultProxy
 
 QUIET = lambda _: None  # noqa: E731
 
@@ -122,6 +122,7 @@ def test_a_run_whose_every_checkpoint_looks_damaged_is_refused_not_started_over(
     assert all_files(run) == before
 
 
+@pytest.mark.integration  # moto's S3 server, the fault proxy
 def test_a_record_that_may_not_be_read_stops_the_driver_and_never_fails_a_whole_save(s3_endpoint):
     """A bucket policy denies one old checkpoint's meta.json (403 AccessDenied). The driver's choice
     stops in one line naming the file; a save's prune leaves that checkpoint alone and the save
@@ -148,6 +149,7 @@ def test_a_record_that_may_not_be_read_stops_the_driver_and_never_fails_a_whole_
     assert latest_valid_checkpoint(run, log=QUIET).name == "checkpoint_000003"
 
 
+@pytest.mark.unit
 def test_saves_that_died_before_their_record_are_pruned_below_the_newest_whole_one(tmp_path):
     """Ranks wrote their files, then rank 0 died before meta.json (a lost node mid-save): no prune
     used to reach that directory, a whole checkpoint's worth of storage each time. It goes once a
@@ -175,6 +177,7 @@ def _held(run: Storage, resume_from: str | None, keep: int = 100) -> tuple[RunLe
     return held, saver
 
 
+@pytest.mark.unit
 def test_a_rewind_whose_first_save_died_before_its_manifest_hides_and_deletes_nothing(tmp_path):
     """Saves 10..50; a driver rewinds to 20 and its first save (25) dies between meta.json and the
     manifest. That save is not a checkpoint: the next driver resumes from 50 (not from 20, where the
@@ -201,6 +204,7 @@ def test_a_rewind_whose_first_save_died_before_its_manifest_hides_and_deletes_no
     assert not run.exists(checkpoint_dir_name(25))
 
 
+@pytest.mark.integration  # moto's S3 server, the fault proxy
 def test_a_floor_that_cannot_read_every_record_takes_no_lease(s3_endpoint):
     """The floor a new epoch records must count every checkpoint: one whose meta.json is denied
     (403) stops the driver in one line before its epoch exists, rather than being disowned later."""
@@ -217,6 +221,7 @@ def test_a_floor_that_cannot_read_every_record_takes_no_lease(s3_endpoint):
         assert fence.epochs(run) == []
 
 
+@pytest.mark.unit
 def test_a_writer_superseded_while_it_prunes_deletes_nothing_more(tmp_path):
     """Epoch 1 is about to prune; epoch 2 takes the run over first. The prune's check before each
     deletion stops it: nothing epoch 2 may resume from or be writing is deleted."""
@@ -233,6 +238,7 @@ def test_a_writer_superseded_while_it_prunes_deletes_nothing_more(tmp_path):
     held.release()
 
 
+@pytest.mark.unit
 def test_a_rewinds_save_at_a_step_the_run_has_never_writes_over_that_checkpoint(tmp_path):
     """Saves 10..50; a driver rewinds to 20 and its first save, at 30, dies before its manifest. The
     rewound run saves under names of its own lineage, so the branch's whole checkpoint_000030 is

@@ -21,6 +21,8 @@ from raychat.scaling import (
     rows_per_step,
 )
 
+pytestmark = pytest.mark.unit
+
 # Seed 001's run: depth 12, aspect 64, head_dim 128, vocab 32768, seq 2048, window L.
 SEED_001 = dict(depth=12, window_pattern="L", total_batch_size=65536, num_iterations=10000,
                 device_batch_size=8)

@@ -45,6 +45,7 @@ def assert_no_secret(text: str | bytes, what: str) -> None:
         assert secret.encode() not in data, f"{secret} in {what}"
 
 
+@pytest.mark.unit
 def test_a_safe_location_shows_no_secret_and_opens_with_it():
     uri = f"s3://{KEY}:{QUOTED_SECRET}@bucket/runs?endpoint_override=127.0.0.1:9&scheme=http"
     location = normalize_location(uri)
@@ -87,12 +88,14 @@ def test_a_safe_location_shows_no_secret_and_opens_with_it():
     assert redact("s3://bucket/runs?prefix=team@v2") == "s3://bucket/runs?prefix=team@v2"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["d12", "run-1.2_x", "A.b"])
 def test_a_name_is_accepted(name):
     assert check_name(name, "--run-name") == name
     assert TrainConfig(run_name=name, model_tag=name).name == name
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["../../x", "a/b", "..", ".", "x..y", "a b", "/abs", "s3://b/x", "a\\b"])
 def test_a_path_is_not_a_name(name):
     with pytest.raises(RaychatError, match=r"^--run-name must be a name of letters"):
@@ -112,6 +115,7 @@ def cli_line(main, argv: list[str], capsys) -> str:
     return lines[0]
 
 
+@pytest.mark.unit
 def test_every_command_refuses_a_path_for_a_name_before_reading(tmp_path, capsys):
     from raychat import evaluate, export, sample, status, train
     from raychat.report import __main__ as report
@@ -139,6 +143,7 @@ def test_every_command_refuses_a_path_for_a_name_before_reading(tmp_path, capsys
     assert not any(tmp_path.parent.glob("escaped*")) and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.unit
 def test_export_refuses_a_file_for_out_and_a_path_for_model_tag(tmp_path, capsys):
     from raychat import export
 
@@ -149,6 +154,7 @@ def test_export_refuses_a_file_for_out_and_a_path_for_model_tag(tmp_path, capsys
         assert f"--out {out}: {blocker} is a file" in line, line
 
 
+@pytest.mark.unit
 def test_import_nanochat_names_a_missing_or_corrupt_pickle(tmp_path, capsys):
     from raychat.tokenizer import cli
 
@@ -171,6 +177,7 @@ class BadReduce:
         return int, ("not a number",)
 
 
+@pytest.mark.unit
 def test_report_names_a_malformed_metrics_log(tmp_path, capsys):
     from raychat.report import __main__ as report
 
@@ -181,6 +188,7 @@ def test_report_names_a_malformed_metrics_log(tmp_path, capsys):
     assert f"{run}/metrics.jsonl is not a metrics log" in line and "KeyError" in line, line
 
 
+@pytest.mark.unit
 def test_commands_that_read_a_run_name_an_unreachable_endpoint_in_one_line(capsys):
     from raychat import sample
     from raychat.report import __main__ as report
@@ -194,6 +202,7 @@ def test_commands_that_read_a_run_name_an_unreachable_endpoint_in_one_line(capsy
                         "the server"), line
 
 
+@pytest.mark.unit
 def test_init_from_nanochat_names_a_garbage_token_bytes_or_model_file(tiny_corpus, tmp_path, capsys):
     from raychat import train
 
@@ -264,6 +273,7 @@ def test_a_run_with_credentials_in_its_uris_prints_and_stores_none(ray_session, 
     assert "s3://***@" in done.stdout  # status names the run's storage
 
 
+@pytest.mark.unit
 def test_a_uri_urlsplit_cannot_parse_is_refused_in_one_line_showing_no_secret(capsys):
     """A '[' outside an IPv6 host makes urlsplit raise: one line, no part of the credentials."""
     from raychat import train

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from helpers import StepComponents, step_components
@@ -60,6 +61,7 @@ def assert_same_update(a: dict, b: dict) -> None:
             assert (update - (b[name] - start[name])).norm() <= 2e-2 * update.norm(), name
 
 
+@pytest.mark.unit
 def test_micro_batches_do_not_change_the_step():
     whole, whole_params = run_steps(components(device_batch_size=ROWS))
     cut, cut_params = run_steps(components(device_batch_size=4))  # 4 + 2 rows
@@ -82,6 +84,7 @@ def _rank(rank: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.integration  # gloo ranks
 def test_two_ranks_take_the_one_rank_step_and_sum_the_callers_values(ranks, tmp_path):
     ranks.run(_rank, 2, str(tmp_path / "store"), str(tmp_path))
     one, one_params = run_steps(components(device_batch_size=2))
@@ -93,11 +96,13 @@ def test_two_ranks_take_the_one_rank_step_and_sum_the_callers_values(ranks, tmp_
         assert_same_update(one_params, got["params"])
 
 
+@pytest.mark.integration  # a subprocess
 def test_importing_the_step_does_not_import_ray():
     code = "import sys, raychat.worker.step; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
 
 
+@pytest.mark.unit
 def test_callable_values_are_asked_after_the_steps_work_and_ride_on_its_all_reduce():
     """A callable `also_sum` is asked once, after the optimizer step (the memory tier's still-sending
     flag must have seen the step's time go by: raychat.worker.loop), and its values come back summed."""
@@ -114,6 +119,7 @@ def test_callable_values_are_asked_after_the_steps_work_and_ride_on_its_all_redu
     assert asked == [True]
 
 
+@pytest.mark.unit
 def test_cpu_workers_split_the_cores_their_node_declared_to_ray():
     """A node's CPU workers share its cores, up to the CPUs the node declared to Ray: 1-CPU nodes that
     share a 2-core machine (the multi-node test clusters) get one thread per worker, not two each."""

@@ -38,6 +38,7 @@ def tiny_base(**changes) -> TrainConfig:
                        device_batch_size=4, total_batch_size=256, **changes)
 
 
+@pytest.mark.unit
 def test_parse_list():
     assert parse_list("10,12,14", int, "--depths") == [10, 12, 14]
     assert parse_list("1e18, 3e18", float, "--flops") == [1e18, 3e18]
@@ -46,6 +47,7 @@ def test_parse_list():
             parse_list(bad, int, "--depths")
 
 
+@pytest.mark.unit
 def test_trial_names():
     assert trial_name(12, ratio=8) == "d12_r8"
     assert trial_name(12, ratio=0.5) == "d12_r0.5"
@@ -54,6 +56,7 @@ def test_trial_names():
     assert trial_name(2, flops=1e6) == "f1e6_d2"
 
 
+@pytest.mark.unit
 def test_ratio_grid_trials():
     trials = build_trials(tiny_base(run="exp"), [2, 3], [4.0, 8.0], [], "1:2", "/runs", vocab_size=512)
     assert [t["name"] for t in trials] == ["d2_r4", "d2_r8", "d3_r4", "d3_r8"]
@@ -72,6 +75,7 @@ def test_ratio_grid_trials():
     assert trials[2]["plan"]["scaling_params"] > trials[0]["plan"]["scaling_params"]
 
 
+@pytest.mark.unit
 def test_iso_flop_trials_spend_each_budget():
     budgets = [2e10, 6e10]
     trials = build_trials(tiny_base(), [2, 3, 4], [], budgets, "1", "/runs", vocab_size=512)
@@ -88,11 +92,13 @@ def test_iso_flop_trials_spend_each_budget():
     assert tokens == sorted(tokens, reverse=True)
 
 
+@pytest.mark.unit
 def test_budget_too_small_names_the_trial():
     with pytest.raises(RaychatError, match="trial f1e6_d2: --target-flops"):
         build_trials(tiny_base(), [2], [], [1e6], "1", "/runs", vocab_size=512)
 
 
+@pytest.mark.unit
 def test_dry_run_prints_the_grid(capsys, tmp_path):
     assert main(["--depths", "2,3", "--flops", "2e10,6e10", *TINY, "--storage-path", str(tmp_path),
                  "--name", "dry", "--dry-run"]) == 0
@@ -101,6 +107,7 @@ def test_dry_run_prints_the_grid(capsys, tmp_path):
     assert not (tmp_path / "dry").exists()  # nothing run, nothing written
 
 
+@pytest.mark.unit
 def test_flag_errors(capsys):
     with pytest.raises(SystemExit) as e:
         run_cli(main, ["--depths", "2", "--ratios", "4", "--flops", "1e18", "--dry-run"])
@@ -120,6 +127,7 @@ def test_flag_errors(capsys):
     assert "--metric core ranks trials by CORE, which --core-metric-every -1" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_the_best_trial_and_asha_follow_the_metric():
     rows = [{"trial": "a", "val_bpb": 1.2, "core_metric": 0.10},
             {"trial": "b", "val_bpb": 1.1, "core_metric": 0.05},
@@ -132,6 +140,7 @@ def test_the_best_trial_and_asha_follow_the_metric():
     assert asha_scheduler(trials).metric == "val_bpb"
 
 
+@pytest.mark.unit
 def test_a_restarted_trial_counts_each_step_once():
     """A trial restored from its checkpoint at step 4 redoes and re-reports steps 5-6: the report
     keeps one result per (trial, step), the later one, in step order."""
@@ -141,6 +150,7 @@ def test_a_restarted_trial_counts_each_step_once():
     assert [(r["step"], r["val_bpb"]) for r in kept] == [(0, 3.0), (4, 2.5), (6, 2.3), (8, 2.2)]
 
 
+@pytest.mark.unit
 def test_the_final_report_of_a_run_at_its_horizon_is_its_last_reports_fields():
     """What a trial reports for a run that was already at its horizon (raychat.run.driver.final_report:
     the loop's last report, train_done, from the final checkpoint's loop state)."""
@@ -159,6 +169,7 @@ def test_the_final_report_of_a_run_at_its_horizon_is_its_last_reports_fields():
                                  "core_metric": 0.1}
 
 
+@pytest.mark.unit
 def test_resume_refuses_another_grid(tmp_path):
     trials = build_trials(tiny_base(), [2, 3], [4.0], [], "1", "/runs", vocab_size=512)
     sweep_dir = Storage(str(tmp_path / "s"))

@@ -98,6 +98,7 @@ def all_texts(corpus: Path) -> list[str]:
 # Id layout (nanochat's rustbpe+tiktoken tokenizer: bytes, merges in order, then the specials)
 
 
+@pytest.mark.unit
 def test_vocab_size_is_exact_and_specials_come_last(tok):
     assert tok.vocab_size == VOCAB
     assert tok.encoding.n_vocab == VOCAB
@@ -109,6 +110,7 @@ def test_vocab_size_is_exact_and_specials_come_last(tok):
     assert len(tok.encoding._mergeable_ranks) == num_ranks
 
 
+@pytest.mark.unit
 def test_merges_in_learning_order_on_a_corpus_worked_out_by_hand(tmp_path):
     # Pieces after the split pattern: "ab" once, " ab" 199 times. Pair counts: (a,b) 200, ( ,a) 199,
     # so merge 1 is "ab" (id 256); then " ab" = [" ", "ab"] gives ( ,ab) 199: merge 2 is " ab" (257).
@@ -124,6 +126,7 @@ def test_merges_in_learning_order_on_a_corpus_worked_out_by_hand(tmp_path):
         train_tokenizer(corpus, tmp_path / "t2", vocab_size=268, log=lambda _: None)
 
 
+@pytest.mark.unit
 def test_training_is_deterministic(corpus, tok, tmp_path):
     again = train_tokenizer(corpus, tmp_path / "again", vocab_size=VOCAB, log=lambda _: None)
     assert again.fingerprint == tok.fingerprint
@@ -147,6 +150,7 @@ hypothesis_settings = settings(max_examples=300, deadline=None,
                                suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+@pytest.mark.unit
 @hypothesis_settings
 @given(text=texts)
 def test_decode_encode_round_trips(tok, text):
@@ -155,6 +159,7 @@ def test_decode_encode_round_trips(tok, text):
     assert tok.decode(tok.encode(text, prepend_bos=True)) == "<|bos|>" + text
 
 
+@pytest.mark.unit
 @hypothesis_settings
 @given(text=texts)
 def test_special_tokens_never_come_from_plain_text(tok, text):
@@ -163,6 +168,7 @@ def test_special_tokens_never_come_from_plain_text(tok, text):
         assert all(0 <= i < first_special for i in ids)
 
 
+@pytest.mark.unit
 def test_literal_special_strings_are_ordinary_text(tok):
     text = "".join(SPECIAL_TOKENS)
     ids = tok.encode(text, prepend_bos=True)
@@ -171,6 +177,7 @@ def test_literal_special_strings_are_ordinary_text(tok):
     assert tok.decode(ids[1:]) == text
 
 
+@pytest.mark.unit
 def test_encode_batch_equals_encode_on_any_thread_count(tok, corpus):
     docs = all_texts(corpus)
     expected = [tok.encode(d) for d in docs]
@@ -181,6 +188,7 @@ def test_encode_batch_equals_encode_on_any_thread_count(tok, corpus):
     assert tok.encode_batch([], threads=2) == []
 
 
+@pytest.mark.unit
 def test_hf_and_tiktoken_give_identical_ids(tok, tok_dir, hf_plain, corpus):
     docs = all_texts(corpus) + _multilingual_lines(random.Random(7), 200)
     mismatched = [d[:60] for d in docs if hf_plain.encode(d, add_special_tokens=False).ids != tok.encode(d)]
@@ -192,12 +200,14 @@ def test_hf_and_tiktoken_give_identical_ids(tok, tok_dir, hf_plain, corpus):
     assert hf.decode(tok.encode(docs[0])) == docs[0]
 
 
+@pytest.mark.unit
 @hypothesis_settings
 @given(text=st.text(alphabet=surrogate_free, max_size=100))
 def test_hf_and_tiktoken_agree_on_arbitrary_text(hf_plain, tok, text):
     assert hf_plain.encode(text, add_special_tokens=False).ids == tok.encode(text)
 
 
+@pytest.mark.unit
 def test_token_bytes_table(tok, corpus):
     table = tok.token_bytes()
     assert table.dtype == torch.int32 and table.shape == (VOCAB,)
@@ -210,6 +220,7 @@ def test_token_bytes_table(tok, corpus):
         assert int(table[ids].sum()) == len(doc.encode("utf-8"))
 
 
+@pytest.mark.unit
 def test_evaluate_counts(tok, corpus):
     val = list(iter_split_texts(corpus, "val"))
     stats = tokenizer_stats(tok, val, threads=2)
@@ -226,6 +237,7 @@ def test_evaluate_counts(tok, corpus):
 # Loading: cheap, by path, safe in other processes
 
 
+@pytest.mark.unit
 def test_load_is_cached_and_pickles_as_its_path(tok, tok_dir):
     assert Tokenizer.load(tok_dir) is tok
     data = pickle.dumps(tok)
@@ -249,6 +261,7 @@ def test_loads_and_encodes_inside_a_ray_task(ray_session, tok, tok_dir, corpus):
     assert ids == tok.encode_batch(docs)
 
 
+@pytest.mark.unit
 def test_check_vocab(tok):
     check_vocab(tok, VOCAB, tok.fingerprint, "ckpt/step_00010")
     check_vocab(tok, VOCAB, None, "ckpt/step_00010")
@@ -268,6 +281,7 @@ def run_cli(commands, *args: str) -> subprocess.CompletedProcess:
     return commands.run("raychat.tokenizer", *args, timeout=120)
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 def test_cli_train_then_eval(commands, corpus, tmp_path):
     out = tmp_path / "cli_tok"
     done = run_cli(commands, "train", "--data-dir", str(corpus), "--tokenizer-dir", str(out), "--vocab-size",
@@ -299,6 +313,7 @@ def _damage(tok_dir: Path, tmp_path: Path, how: str) -> Path:
     return broken
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 @pytest.mark.parametrize("case", ["vocab_too_small", "missing_corpus", "missing_tokenizer", "truncated_ranks",
                                   "bad_meta_json", "meta_missing_field", "ranks_missing", "corpus_too_small"])
 def test_cli_bad_input_gives_one_line(commands, case, corpus, tok_dir, tmp_path):
@@ -326,6 +341,7 @@ def test_cli_bad_input_gives_one_line(commands, case, corpus, tok_dir, tmp_path)
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.unit
 def test_damaged_token_bytes_is_reported(tok_dir, tmp_path):
     broken = tmp_path / "broken_tb"
     shutil.copytree(tok_dir, broken)
@@ -337,6 +353,7 @@ def test_damaged_token_bytes_is_reported(tok_dir, tmp_path):
         Tokenizer.load(broken).token_bytes()
 
 
+@pytest.mark.integration  # commands in a reused interpreter
 @pytest.mark.parametrize("args,flags", [(["--help"], ["train", "eval", "raychat.corpus sample"]),
                                         (["train", "--help"], ["--vocab-size", "--max-chars", "--doc-cap"]),
                                         (["eval", "--help"], ["--threads", "--data-dir", "--tokenizer-dir"])])
@@ -346,6 +363,7 @@ def test_help_explains_each_command(commands, args, flags):
     assert all(flag in done.stdout for flag in flags)
 
 
+@pytest.mark.unit
 def test_nanochats_pickled_tokenizer_imports_with_its_ids_only_if_trusted(tok, tok_dir, corpus, tmp_path):
     """nanochat's tokenizer.pkl (a pickled tiktoken Encoding, as nanochat and raychat.export write it)
     -> raychat's files: the same ranks, specials and fingerprint, and HF merges recovered from the

@@ -3,7 +3,10 @@ writes: a half-written line, a rank not traced yet, an ended attempt of another 
 
 import json
 
+import pytest
 from trace_audit import attempts_by_step, last_traced_step, latest_by_rank, whole_replica_step
+
+pytestmark = pytest.mark.unit
 
 
 def _trace(path, records, partial=""):

@@ -31,12 +31,14 @@ def synthetic_points(exponent: float, k: float, curvature: float = 0.03, noise: 
     return points
 
 
+@pytest.mark.unit
 def test_r_squared_by_hand():
     # residuals 0.1, 0.1, 0.2, 0.2 -> SS_res 0.10; mean 2.5 -> SS_tot 5.0
     assert r_squared([1, 2, 3, 4], [1.1, 1.9, 3.2, 3.8], 2) == pytest.approx(1 - 0.10 / 5.0)
     assert r_squared([1, 2, 3], [1, 2, 3], 3) is None  # as many coefficients as points
 
 
+@pytest.mark.unit
 def test_power_law_recovers_exponent_and_coefficient():
     x = np.array([1e2, 1e3, 1e4, 1e5])
     law = fit_power_law(x, 7.0 * x**0.37)
@@ -46,6 +48,7 @@ def test_power_law_recovers_exponent_and_coefficient():
     assert law(1e6) == pytest.approx(7.0 * 1e6**0.37, rel=1e-9)
 
 
+@pytest.mark.unit
 def test_chinchilla_like_optimum_ratio_20():
     # N_opt = k C^0.5 and D = C/(6N): D_opt = C^0.5 / (6k), so D/N = 1/(6 k^2) = 20 at every budget.
     k = 1 / math.sqrt(120)
@@ -65,6 +68,7 @@ def test_chinchilla_like_optimum_ratio_20():
     assert result.params_law.r2 == pytest.approx(1.0) and result.tokens_law.r2 == pytest.approx(1.0)
 
 
+@pytest.mark.unit
 def test_ratio_that_drifts_with_compute():
     # N_opt = k C^0.6 -> D_opt = C^0.4 / (6k): b = 0.4, and D/N = C^-0.2 / (6 k^2) at the reference.
     k = 0.05
@@ -76,6 +80,7 @@ def test_ratio_that_drifts_with_compute():
     assert result.ratio_at_reference == pytest.approx(c_ref**-0.2 / (6 * k * k), rel=1e-6)
 
 
+@pytest.mark.unit
 def test_noisy_sweep_fits_close_with_imperfect_quality():
     k = 1 / math.sqrt(120)
     result = compute_optimal(synthetic_points(0.5, k, curvature=0.05, noise=0.002, seed=3))
@@ -85,6 +90,7 @@ def test_noisy_sweep_fits_close_with_imperfect_quality():
     assert 0.9 < result.params_law.r2 < 1.0
 
 
+@pytest.mark.unit
 def test_no_valley_or_too_few_points_falls_back_to_best_trial():
     # two sizes only: no parabola; the better trial is taken as is
     o = budget_optimum(1e18, [1e6, 2e6], [1e11, 5e10], [1.10, 1.05])
@@ -140,6 +146,7 @@ def expected_evals(spec):
     return [(spec["flops_budget"] * frac, spec["fake"]["bpb"] + 0.3 * (1 - frac)) for frac in EVAL_FRACTIONS]
 
 
+@pytest.mark.unit
 def test_bpb_vs_flops_plot_draws_each_trials_evals_one_colour_per_depth():
     specs = synthetic_specs()
     trials = [Trial(s["name"], "finished", s, synthetic_reports(s)) for s in specs]
@@ -165,6 +172,7 @@ def test_bpb_vs_flops_plot_draws_each_trials_evals_one_colour_per_depth():
     assert len({colours[0] for colours in colour_of_depth.values()}) == 3       # depths differ
 
 
+@pytest.mark.unit
 def test_iso_flop_plot_shows_trials_parabolas_optima_and_power_laws():
     # truth: N_opt = k C^0.5 with D/N = 20; bpb at the optimum 0.9 + 0.05 log10(1e20 / C)
     k = 1 / math.sqrt(120)

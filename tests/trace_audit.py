@@ -4,7 +4,7 @@ timeline trained, and whether epoch 1 is fully accounted for against the final d
 import json
 from pathlib import Path
 
-from bench.chaos_audit import expand, owed_documents  # noqa: F401 (expand: for the tests)
+from testkit.chaos_audit import expand, owed_documents  # noqa: F401 (expand: for the tests)
 
 
 def trace_records(path: Path) -> list[dict]:

@@ -4,9 +4,12 @@ On loopback moto answers a request in about a millisecond; a real bucket takes 2
 first byte. The feed's read-ahead exists to hide that latency, so a bench that only ever talks to an
 instant server cannot show whether it does: `--delay-ms` sleeps that long before answering every
 request (threaded, so concurrent requests wait in parallel, as they do against a real bucket).
-Its own process, so moto's Python does not share the bench's GIL.
+Its own process, so moto's Python does not share the bench's GIL. In testkit, beside the fault proxy
+that goes in front of it: the benches (bench.loader, bench.checkpoint, bench.checkpoint_scale,
+bench.lease_race) start it; the tests run moto's server in their own process (tests/conftest.py's
+s3_endpoint) or through those benches' command lines. Nothing of raychat itself needs it.
 
-    python -m bench.s3_server --port 9000 [--delay-ms 30]
+    python -m testkit.s3_server --port 9000 [--delay-ms 30]
 """
 
 import argparse
@@ -32,7 +35,7 @@ def start_moto(bucket: str, delay_ms: float = 0.0) -> tuple[subprocess.Popen, st
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    server = subprocess.Popen([sys.executable, "-m", "bench.s3_server", "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "testkit.s3_server", "--port", str(port),
                                "--delay-ms", str(delay_ms)], cwd=root,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -49,7 +52,7 @@ def start_moto(bucket: str, delay_ms: float = 0.0) -> tuple[subprocess.Popen, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.s3_server", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m testkit.s3_server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, required=True, help="port on 127.0.0.1")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="sleep before answering each request")

@@ -26,6 +26,9 @@ stores and proxies that ignore conditional writes). A fault applies to requests 
 and `match` (a substring of the path, i.e. /bucket/key), while its window (`seconds` from now) lasts
 and until it has hit `count` requests. `probability` faults draw from the proxy's seeded generator:
 the same seed and the same sequence of requests meet the same faults.
+
+In testkit, not bench/, because the tests (tests/test_faults.py, test_lease.py, ...) and the benches
+(bench.lease_race) both put it in front of a bucket; raychat itself never imports it.
 """
 
 import http.client

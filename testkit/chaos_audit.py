@@ -7,6 +7,10 @@ it (a step redone after a restore supersedes the lost attempt's). The run's chec
 while it runs: the newest whole one must never go back (a checkpoint a restart would need was pruned
 or rewritten), and at the end the kept ones must be the newest ones saved (and the one the last
 attempt resumed from, which its saver never prunes).
+
+In testkit because the benches (bench.chaos, bench.goodput, bench.chaos_report) and the tests
+(tests/trace_audit.py's exactly-once audit, tests/test_bench_chaos.py) read a run's trace and
+checkpoints with the same code; raychat itself never imports it.
 """
 
 import json
@@ -55,6 +59,25 @@ def progress(trace_dir: Path) -> Progress:
         now.replicas[int(rank.removeprefix("rank"))] = last.get("replica")
     return now
 
+
+
+def replicas_cover(now: Progress, newest: int, save_every: int | None) -> bool:
+    """Whether peer memory holds every rank's state at or past the newest checkpoint saved (whole,
+    or submitted at a step of --save-every's), with none due in the next three steps. Else a restart
+    rightly restores the checkpoint: right after a restart (the attempt's first replica comes a few
+    steps in) or a save that lands as the node goes, which is not what a node swap is there to
+    test. `now`: `progress` of the run's trace; `newest`: its newest whole checkpoint's step (-1:
+    none); `save_every`: the run's --save-every (None, the auto cadence: only the whole checkpoints
+    are known)."""
+    held = [now.replicas.get(rank) for rank in range(now.world_size)]
+    if any(step is None for step in held):
+        return False
+    if save_every:  # the loop is at step now.step + 1, where a save may be under way
+        newest = max(newest, save_every * ((now.step + 1) // save_every))
+        # the next three steps: the node takes ~1 s to go
+        if any((now.step + ahead) % save_every == 0 for ahead in (2, 3, 4)):
+            return False
+    return min(held) >= newest
 
 def read_records(trace_dir: Path) -> list[dict]:
     return [json.loads(line) for path in sorted(trace_dir.glob("*.jsonl"))
