@@ -20,7 +20,7 @@ at a time and each once the run is healthy again:
                  one error line naming the other driver
 
 Then it checks: the run finished (exit 0); every epoch-1 document was trained exactly once by the
-final timeline (the trainer's trace, $RAYCHAT_TRACE_DIR); the final checkpoint is whole and its
+final timeline (the trainer's trace: testkit.trace); the final checkpoint is whole and its
 hashes verified; the newest whole checkpoint never went back and the kept ones are the newest saved
 (nothing pruned that a restart needed); and where the world size never changed, the final weights
 equal, bit for bit, those of a reference run with no faults at 2 workers.
@@ -63,6 +63,7 @@ from raychat.storage import Storage
 from raychat.telemetry.metrics_log import parse_records, read_log
 from testkit.chaos_audit import CheckpointWatch, progress, replicas_cover
 from testkit.processes import kill_node, node_of_pid
+from testkit.trace import trace_env
 
 ALL_KINDS = ("kill_worker", "node_loss", "node_swap", "spot_drain", "kill_driver", "short_horizon",
              "second_driver")
@@ -164,10 +165,11 @@ class ChaosRun:
         return [*tiny_run_flags(c.data, c.tok, c.storage, self.spec.name),
                 "--num-iterations", str(steps or self.spec.steps), "--save-every", str(SAVE_EVERY),
                 "--replicate-every", str(REPLICATE_EVERY), "--keep-checkpoints", str(KEEP),
-                "--num-workers", f"1:{MAX_WORKERS}", "--resize-check-every", "5", "--max-failures", "-1"]
+                "--num-workers", f"1:{MAX_WORKERS}", "--resize-check-every", "5", "--max-failures", "-1",
+                "--grow", "always"]  # the faults' recoveries are the subject: a grow, paying or not
 
     def env(self) -> dict[str, str]:
-        return {"RAY_ADDRESS": self.ctx.cluster.address, "RAYCHAT_TRACE_DIR": str(self.trace)}
+        return {"RAY_ADDRESS": self.ctx.cluster.address, **trace_env(self.trace)}
 
     def launch(self) -> None:
         log = self.ctx.out / f"{self.spec.name}_driver{len(self.drivers)}.log"

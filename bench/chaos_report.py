@@ -6,7 +6,8 @@ import platform
 import time
 from pathlib import Path
 
-from raychat.checkpoint.format import latest_valid_checkpoint, read_meta
+from raychat.checkpoint.catalog import latest_valid_checkpoint
+from raychat.checkpoint.format import read_meta
 from raychat.storage import Storage
 from raychat.telemetry.ledger import Ledger
 from raychat.telemetry.metrics_log import read_timeline

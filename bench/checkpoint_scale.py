@@ -43,7 +43,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.os_bytes import os_bytes
-from raychat.checkpoint.format import damage, latest_valid_checkpoint, read_manifest, read_meta
+from raychat.checkpoint.catalog import latest_valid_checkpoint
+from raychat.checkpoint.format import damage, read_manifest, read_meta
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.resume import Restore
 from raychat.checkpoint.saver import CheckpointSaver

@@ -218,7 +218,8 @@ def compare_bucket(index: CorpusIndex, tokenizer_dir: str, args) -> None:
             remote = CorpusIndex.load(uri)
             recorder(endpoint, "reset-recording")
             recorder(endpoint, "start-recording")
-            with TrainLoader(remote, tokenizer_dir, T, 0, 1, data_tasks=args.num_cpus) as loader:
+            with TrainLoader(remote, tokenizer_dir, T, 0, 1, data_tasks=args.num_cpus,
+                             record_consumed=True) as loader:
                 _, _, seconds, _, _ = timed(lambda: loader.next_rows(B), 5, batches=n)
                 documents = len(loader.consumed_doc_ids())
             recorder(endpoint, "stop-recording")

@@ -53,7 +53,7 @@ def measure(name: str, data: Path, tok: Path, storage: Path, show_timeline: bool
     system_config, env = SETTINGS[name]
     with local_cluster(2, system_config) as (cluster, nodes):
         flags = [*tiny_run_flags(data, tok, storage, name), "--num-iterations", "400", "--save-every", "10",
-                 "--num-workers", "1:2", "--resize-check-every", "5"]
+                 "--num-workers", "1:2", "--resize-check-every", "5", "--grow", "always"]
         proc = start_driver(flags, {**env, "RAY_ADDRESS": cluster.address}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
         return follow_recovery(name, cluster, nodes, proc, show_timeline)

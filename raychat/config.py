@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raychat.common import RaychatError, check_name
+from raychat.locations import SafeLocation
 from raychat.records import Record
-from raychat.storage import SafeLocation
 
 
 def _flag(default: Any, help: str, group: str, **kw: Any) -> Any:
@@ -158,6 +158,10 @@ class TrainConfig(Record):
     keep_checkpoints: int = _flag(3, "how many recent checkpoints to keep", "ray")
     resize_check_every: float = _flag(60.0, "elastic runs: seconds between Ray's checks whether more workers "
                                       "fit (then the group is restarted larger, after a checkpoint)", "ray")
+    grow: str = _flag("when-it-pays", "elastic runs: grow the group when more workers fit only if the "
+                      "steps left at the larger size save more than a restart costs (measured in this "
+                      "run), or always; the verdict is said in one line", "ray",
+                      choices=("when-it-pays", "always"))
     placement_strategy: str = _flag("PACK", "how workers are placed on nodes: PACK fills nodes (GPU runs), "
                                     "SPREAD / STRICT_SPREAD put them on different nodes (a node loss then "
                                     "takes fewer workers)", "ray", choices=("PACK", "SPREAD", "STRICT_PACK",
@@ -242,7 +246,7 @@ class TrainConfig(Record):
 
     def to_public_dict(self) -> dict[str, Any]:
         """The flags as they may be shown (wandb, the metrics log): plain values, the locations
-        without the credentials a URI can carry (raychat.storage.SafeLocation). Checkpoints keep
+        without the credentials a URI can carry (raychat.locations.SafeLocation). Checkpoints keep
         the record (`to_dict`, raychat.records), which is as plain."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name in LOCATION_FIELDS:

@@ -17,9 +17,10 @@ from raychat.checkpoint.resume import find_checkpoint
 from raychat.common import RaychatError, default_tokenizer_dir, run_cli
 from raychat.evaluation.bundle import cached_bundle, default_bundle_dir
 from raychat.evaluation.core import Results, combine, format_task_line, score_shard
+from raychat.locations import redact
 from raychat.model.gpt import GPT, build_model
 from raychat.ray_glue.runtime_env import worker_runtime_env
-from raychat.storage import redact, run_directory
+from raychat.storage import run_directory
 from raychat.tokenizer.core import Tokenizer, check_vocab
 
 

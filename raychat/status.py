@@ -18,9 +18,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from raychat.checkpoint.format import latest_valid_checkpoint
+from raychat.checkpoint.catalog import latest_valid_checkpoint
 from raychat.common import RaychatError, run_cli
-from raychat.storage import SafeLocation, Storage, redact, run_directory
+from raychat.locations import SafeLocation, redact
+from raychat.storage import Storage, run_directory
 from raychat.telemetry.metrics_log import read_timeline
 
 TRAIN_RUNS_API = "/api/train/v2/runs/v1"

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raychat.checkpoint.format import damage, latest_valid_checkpoint, list_checkpoints, read_meta, step_of
+from raychat.checkpoint.catalog import latest_valid_checkpoint, list_checkpoints, step_of
+from raychat.checkpoint.format import damage, read_meta
 from raychat.checkpoint.reader import load_checkpoint
 from raychat.storage import Storage
 

@@ -36,7 +36,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
-from raychat.checkpoint.format import latest_valid_checkpoint
+from raychat.checkpoint.catalog import latest_valid_checkpoint
 from raychat.checkpoint.reader import load_checkpoint
 from raychat.config import TrainConfig
 from raychat.corpus.download import MAX_SHARD, REPO_ID

@@ -32,7 +32,7 @@ RAYCHAT_LINES = [re.compile(p) for p in (
     r"^(Lost \d+ worker\(s\)|A worker failed|Preempted \(saved step \d+ on the notice\)): continuing on \d+ "
     r"from step \d+ \(.+\); \d+ steps redone$",
     r"^(Grew|Resized) to \d+ workers at step \d+ \(no steps redone\)$",
-    # a save on request (raychat.worker.loop.save_on_request)
+    # a save on request (raychat.worker.fault_tolerance.FaultTolerance.save_on_request)
     r"^Preemption notice: saved step \d+( \(no deadline given: training on\)|, (training on|waiting for the "
     r"node to go) \(\d+s( before the node goes)?\))$",
     r"^Planned resize: saved step \d+, waiting for the new worker group$",

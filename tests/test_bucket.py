@@ -45,6 +45,7 @@ from raychat.storage import Storage
 from raychat.tokenizer.cli import main as tokenizer_main
 from raychat.tokenizer.core import Tokenizer
 from raychat.tokenizer.remote import local_copy
+from testkit.trace import trace_env
 
 TEXT = "Ray Data reads the corpus; the tokenizer comes from the bucket too."
 
@@ -174,7 +175,7 @@ def test_training_from_a_bucket_trains_what_local_disk_does_and_refuses_a_change
         runs[name] = subprocess.Popen(
             [sys.executable, "-m", "raychat.train", *train_flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=ray_session.driver_env(RAYCHAT_TRACE_DIR=str(tmp_path / name)))
+            env=ray_session.driver_env(**trace_env(tmp_path / name)))
     outputs = {}
     try:
         for name, proc in runs.items():
@@ -222,7 +223,7 @@ def test_a_shard_deleted_mid_run_ends_the_run_in_one_line(ray_session, tiny_corp
     proc = subprocess.Popen([sys.executable, "-m", "raychat.train",
                              *tiny_flags((uri, tokenizer_dir), tmp_path / "runs", "doomed", *flags)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=ray_session.driver_env(RAYCHAT_TRACE_DIR=str(trace)))
+                            env=ray_session.driver_env(**trace_env(trace)))
     try:
         # Delete the epoch's last train shard once training runs: no rank has read that far yet.
         deadline = time.time() + 300

@@ -13,17 +13,9 @@ import torch
 from helpers import assert_bitwise_equal
 from safetensors import safe_open
 
+from raychat.checkpoint.catalog import branch, latest_valid_checkpoint, list_checkpoints, prune_checkpoints
 from raychat.checkpoint.convert import main as convert_main
-from raychat.checkpoint.format import (
-    MANIFEST_FILE,
-    branch,
-    damage,
-    latest_valid_checkpoint,
-    list_checkpoints,
-    prune_checkpoints,
-    rank_file,
-    read_meta,
-)
+from raychat.checkpoint.format import MANIFEST_FILE, damage, rank_file, read_meta
 from raychat.checkpoint.meta import META_VERSION, CheckpointMeta, LoopState
 from raychat.checkpoint.reader import CheckpointReader, load_checkpoint
 from raychat.checkpoint.saver import AsyncCheckpointWriter, CheckpointSaver

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from helpers import assert_bitwise_equal, gloo_group
 
-from raychat.checkpoint.format import damage, latest_valid_checkpoint, rank_file
+from raychat.checkpoint.catalog import latest_valid_checkpoint
+from raychat.checkpoint.format import damage, rank_file
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.reader import CheckpointReader, load_checkpoint
 from raychat.checkpoint.resume import Restore, candidates
@@ -51,7 +52,8 @@ def train(model, optimizer, steps, weight: float = 1.0) -> None:
 
 
 def save(run: Storage, model, optimizer, world: int, rank: int, gather) -> CheckpointSaver:
-    """What the train loop's save does (raychat.worker.loop.save), at step STEPS, blocking."""
+    """What the train loop's save does (raychat.worker.fault_tolerance.FaultTolerance.save), at step
+    STEPS, blocking."""
     saver = CheckpointSaver(run, keep=0, rank=rank, world_size=world, log=lambda _: None)
     saver.prepare(STEPS)
     token = gather(f"token-{world}")[0]

@@ -18,7 +18,7 @@ import yaml
 from helpers import HEALTH_CHECKS, pyproject_ray_pin
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from raychat.telemetry.metrics import GAUGES
+from raychat.telemetry.sinks import GAUGES
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_YAMLS = sorted((ROOT / "cluster").glob("*.yaml"))

@@ -21,6 +21,7 @@ STEP = """
 import json, sys, torch
 from torch._dynamo.utils import counters
 from raychat.model.compile_cache import CompileCache, cache_key
+from raychat.model.compile_check import seconds_compiling
 from raychat.model.gpt import GPTConfig, build_model
 from raychat.storage import Storage
 torch.manual_seed(0)
@@ -32,7 +33,7 @@ model = torch.compile(build_model(config, "cpu"), dynamic=False)
 x = torch.randint(0, 128, (2, 32))
 model(x, x).backward()
 cache.save()
-print(json.dumps({**counters["inductor"], **counters["aot_autograd"]}))
+print(json.dumps({**counters["inductor"], **counters["aot_autograd"], "compile_s": seconds_compiling()}))
 """
 
 
@@ -49,6 +50,7 @@ def test_a_fresh_machine_loads_the_runs_compile_cache_and_compiles_nothing(tmp_p
     run = str(tmp_path / "run")
     cold, said = _compiled_step(run, str(tmp_path / "node-a"))
     assert cold.get("fxgraph_cache_miss", 0) > 0 and "Compile cache: saved to" in said
+    assert cold["compile_s"] > 0  # what the time ledger's compile bucket reads (TorchDynamo's account)
     warm, said = _compiled_step(run, str(tmp_path / "node-b"))  # a replacement node: empty local cache
     assert "Compile cache: loaded" in said, said
     assert warm.get("fxgraph_cache_hit") == cold["fxgraph_cache_miss"] and "fxgraph_cache_miss" not in warm

@@ -164,7 +164,7 @@ def test_a_run_starts_from_nanochats_weights_and_a_rerun_resumes_its_own(ray_ses
     resumes the run's own checkpoint instead."""
     from helpers import TINY, run_train, tiny_flags
 
-    from raychat.checkpoint.format import latest_valid_checkpoint
+    from raychat.checkpoint.catalog import latest_valid_checkpoint
     from raychat.checkpoint.reader import load_checkpoint
 
     tokenizer = Tokenizer.load(tiny_corpus[1])

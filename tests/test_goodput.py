@@ -147,6 +147,23 @@ def test_the_ledger_accounts_every_second_of_a_restarted_run():
     assert set(totals) == set(CAUSES)
 
 
+def test_compiling_is_a_cause_of_its_own_in_each_attempt():
+    """Each attempt's first step compiles (0.6 s of its 1 s, by the step record's compile_s), the
+    restart's too, though its steps are redone: the ledger's compile bucket holds both, training and
+    redone lose them, and the causes still add up to the wall time."""
+    records = synthetic_log()
+    first_steps = [r for r in records if r["kind"] == "step" and r["step"] in (0, 6)]
+    for record in first_steps[0], first_steps[2]:  # attempt 1's step 0, the restart's step 6
+        record["compile_s"] = 0.6
+    run = ledger(records)
+    first, restart = run.attempts
+    assert first.seconds["compile"] == pytest.approx(0.6) and restart.seconds["compile"] == pytest.approx(0.6)
+    assert first.seconds["redone"] == pytest.approx(4.0)  # step 6 of attempt 1 compiled nothing
+    assert run.seconds["training"] == pytest.approx(10 * 0.9 - 1.2)
+    assert sum(run.seconds.values()) == pytest.approx(run.wall_s)
+    assert any("compile 0.6s" in line for line in run.lines()), run.lines()
+
+
 def test_the_report_and_status_show_the_ledger(tmp_path):
     records = synthetic_log()
     cfg = TrainConfig(depth=2, aspect_ratio=32, head_dim=32, max_seq_len=64, num_iterations=10,

@@ -22,17 +22,9 @@ from hypothesis import strategies as st
 
 from raychat import faults
 from raychat.checkpoint import fence
+from raychat.checkpoint.catalog import branch, highest_sequence, latest_valid_checkpoint
 from raychat.checkpoint.fence import Fence, LeaseLost
-from raychat.checkpoint.format import (
-    MANIFEST_FILE,
-    META_FILE,
-    branch,
-    checkpoint_dir_name,
-    damage,
-    highest_sequence,
-    latest_valid_checkpoint,
-    read_meta,
-)
+from raychat.checkpoint.format import MANIFEST_FILE, META_FILE, checkpoint_dir_name, damage, read_meta
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.resume import candidates
 from raychat.checkpoint.saver import CheckpointSaver

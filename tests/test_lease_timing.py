@@ -224,14 +224,16 @@ def _rows(step: int) -> torch.Tensor:
 
 def _one_rank_meets_the_takeover(rank: int, tmp: str, run_location: str) -> None:
     """A rank of the loop's step as raychat.worker.loop runs it (saver.poll, then train_step carrying
-    agreed_flags, then stop_if_lost), where only rank 0 saves at SAVE_AT, after another driver took
-    the run: its background write is fenced, and no other rank's is."""
+    the fault tolerance's flags, then its after_step), where only rank 0 saves at SAVE_AT, after
+    another driver took the run: its background write is fenced, and no other rank's is."""
     from types import SimpleNamespace
 
-    from raychat.checkpoint.meta import CheckpointMeta
+    from raychat.checkpoint.meta import CheckpointMeta, LoopState
     from raychat.checkpoint.saver import CheckpointSaver
+    from raychat.elastic import signals
+    from raychat.elastic.signals import ElasticSignals
     from raychat.model.gpt import GPTConfig
-    from raychat.worker import loop
+    from raychat.worker.fault_tolerance import FaultTolerance
     from raychat.worker.state import state_pieces
     from raychat.worker.step import train_step
 
@@ -239,9 +241,15 @@ def _one_rank_meets_the_takeover(rank: int, tmp: str, run_location: str) -> None
     with gloo_group(rank, tmp):
         c = step_components(_config(), VOCAB, _rows, 2, rank)
         w = SimpleNamespace(saver=CheckpointSaver(run, keep=0, rank=rank, world_size=2, log=QUIET,
-                                                  fence=Fence(run, 1)))
+                                                  fence=Fence(run, 1)),
+                            master=rank == 0, log=QUIET,
+                            cfg=SimpleNamespace(save_every=1, max_lost_minutes=5.0))
+        ft = FaultTolerance(w, ElasticSignals(), replicator=None, first_step=0)
         out: dict = {"rank": rank}
         step = 0
+        # No Ray Train context here, so no spot notice to read (this process is reused: put back below).
+        deadline_of_a_notice = signals.preemption_deadline
+        signals.preemption_deadline = lambda: None
         try:  # as raychat.worker.loop.train_loop_per_worker: a lost lease ends the loop without an error
             for step in range(STEPS):
                 w.saver.poll()
@@ -252,10 +260,12 @@ def _one_rank_meets_the_takeover(rank: int, tmp: str, run_location: str) -> None
                     pieces, plain = state_pieces(c.model, c.optimizer, 2, rank)
                     meta = CheckpointMeta(step=step, model_config=GPTConfig(), world_size=2)
                     w.saver.save(step, pieces, "token", meta, extra=plain)  # in the background
-                result = train_step(c, step, also_sum=lambda: loop.agreed_flags(w, lambda: ()))
-                loop.stop_if_lost(w, result.summed[-1])
+                result = train_step(c, step, also_sum=ft.flags(step, busy_next=False))
+                ft.after_step(LoopState(step=step), result)
         except LeaseLost as e:
             out.update(step=step, at=time.time(), message=str(e))
+        finally:
+            signals.preemption_deadline = deadline_of_a_notice
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
         if rank == 0:  # as a Ray worker whose loop returned, its process stays until the group ends
             deadline = time.monotonic() + 20

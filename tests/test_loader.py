@@ -54,6 +54,11 @@ def direct_rows(tokenizer, units_and_rows, num_rows, buffer_size=BUFFER):
     return rows
 
 
+def recording_loader(*args, **kwargs) -> TrainLoader:
+    """A loader that keeps the ids of the documents it consumed, for `collect`'s audit."""
+    return TrainLoader(*args, record_consumed=True, **kwargs)
+
+
 def collect(loader, steps, n=3):
     """Rows of `steps` calls (as one [steps*n, T+1] array) and the documents they consumed."""
     rows, ids = [], []
@@ -66,7 +71,7 @@ def collect(loader, steps, n=3):
 
 def test_rows_are_the_packed_documents_of_the_units_in_order(corpus, ray_session):
     index, tokenizer_dir = corpus
-    with TrainLoader(index, tokenizer_dir, T, rank=0, world_size=1, buffer_size=BUFFER) as loader:
+    with recording_loader(index, tokenizer_dir, T, rank=0, world_size=1, buffer_size=BUFFER) as loader:
         x, y = loader.next_rows(5)
         assert x.shape == y.shape == (5, T) and x.dtype == y.dtype == torch.int64
         tokenizer = Tokenizer.load(tokenizer_dir)
@@ -98,7 +103,8 @@ def test_same_world_size_resume_gives_identical_batches(corpus, ray_session):
     # With a shuffled unit order (seed 7), as the trainer may run, and a buffer of documents from more
     # units than the loader's warm start would read for a fresh start (WARM_START_READS).
     buffer = 120
-    ranks = [TrainLoader(index, tokenizer_dir, T, r, 2, shuffle_seed=7, buffer_size=buffer) for r in range(2)]
+    ranks = [recording_loader(index, tokenizer_dir, T, r, 2, shuffle_seed=7, buffer_size=buffer)
+             for r in range(2)]
     positions = []
     for loader in ranks:
         collect(loader, 6)
@@ -109,7 +115,7 @@ def test_same_world_size_resume_gives_identical_batches(corpus, ray_session):
     for loader in ranks:
         loader.close()
     for r in range(2):
-        with TrainLoader(index, tokenizer_dir, T, r, 2, cursor=merged, shuffle_seed=7,
+        with recording_loader(index, tokenizer_dir, T, r, 2, cursor=merged, shuffle_seed=7,
                          buffer_size=buffer) as resumed:
             got, taken = collect(resumed, 12)
             # The documents the cursor owes are read in this process, none left to Ray Data's first
@@ -128,7 +134,7 @@ def test_small_row_groups_fill_the_packers_buffer_in_this_process(corpus, ray_se
     this process. (The budget is raised: how fast a loaded machine reads must not decide the test.)"""
     monkeypatch.setattr(loader_module, "WARM_START_S", 60.0)
     index, tokenizer_dir = corpus
-    with TrainLoader(index, tokenizer_dir, T, 0, 1) as loader:
+    with recording_loader(index, tokenizer_dir, T, 0, 1) as loader:
         got, _ = collect(loader, 1)
         assert loader._reader.warm_reads > WARM_START_READS and loader._reader.warm_reads * 50 >= 1000
     epochs = [(u, None) for _ in range(3) for u in index.train]
@@ -139,7 +145,7 @@ def test_resume_on_one_rank_consumes_every_document_once(corpus, ray_session):
     index, tokenizer_dir = corpus
     epoch_one = {(1, u.index, row) for u in index.train for row in range(u.num_rows)}
     consumed = []
-    ranks = [TrainLoader(index, tokenizer_dir, T, r, 2, buffer_size=BUFFER) for r in range(2)]
+    ranks = [recording_loader(index, tokenizer_dir, T, r, 2, buffer_size=BUFFER) for r in range(2)]
     for loader in ranks:
         consumed += collect(loader, 8)[1]
     merged = through_json(ranks)
@@ -147,7 +153,7 @@ def test_resume_on_one_rank_consumes_every_document_once(corpus, ray_session):
         loader.close()
     assert merged.in_flight, "the test needs documents in flight at the resize"
     handed_over = set(expand(merged.in_flight))
-    with TrainLoader(index, tokenizer_dir, T, 0, 1, cursor=merged, buffer_size=BUFFER) as single:
+    with recording_loader(index, tokenizer_dir, T, 0, 1, cursor=merged, buffer_size=BUFFER) as single:
         # Run until the frontier is well into epoch 2: every epoch-1 unit has been read by then.
         while single.position()[0] < 2 or len(consumed) < len(epoch_one):
             consumed += collect(single, 10)[1]
@@ -178,7 +184,7 @@ def test_cursor_from_another_corpus_is_refused(corpus):
     cursor = merge_cursor([RankCursor(rank=0, world_size=1, next_position=0, pending=[])], num_units=99,
                           shuffle_seed=None)
     with pytest.raises(RaychatError, match="99 train row groups"):
-        TrainLoader(index, tokenizer_dir, T, 0, 1, cursor=cursor)
+        recording_loader(index, tokenizer_dir, T, 0, 1, cursor=cursor)
 
 
 def test_validation_rows_are_the_val_split_packed_in_order_at_most_one_pass(corpus):

@@ -10,23 +10,20 @@ import pytest
 from raychat.common import RaychatError
 from raychat.storage import Storage
 from raychat.telemetry.metrics import (
-    GAUGES,
     AttemptStarted,
-    LogLines,
     Publisher,
-    RayMetrics,
     Record,
     Reported,
     Sink,
     StepDone,
     StepMetrics,
-    WandbLogger,
     counts_toward_total_time,
     eta_seconds,
     format_val_line,
     smooth_loss,
 )
 from raychat.telemetry.metrics_log import MetricsLog, read_timeline
+from raychat.telemetry.sinks import GAUGES, LogLines, RayMetrics, WandbLogger
 
 # Seed 000: a nanochat d20 run on one MI300X, total batch 2**19 tokens.
 SEED_LINE = ("step 00383/29000 (1.32%) | loss: 3.369286 | lrm: 1.00 | dt: 4052.93ms | tok/sec: 129,360 "
@@ -281,7 +278,7 @@ def test_a_run_and_its_rerun_are_one_wandb_run_with_every_step_once(ray_session,
     which the first run logged already: every step is in the run's history once, in order."""
     from helpers import run_train, tiny_flags
 
-    from raychat.telemetry.metrics import WANDB_RUN_FILE
+    from raychat.telemetry.sinks import WANDB_RUN_FILE
 
     storage, wandb_dir = tmp_path / "runs", tmp_path / "wandb-files"
     flags = tiny_flags(tiny_corpus, storage, "wb", "--run", "wb-test", "--num-workers", "1",

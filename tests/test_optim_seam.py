@@ -61,7 +61,7 @@ def components(cfg: TrainConfig, world: int = 1, rank: int = 0, step: int = 0) -
 
 
 def save(run: Storage, c: StepComponents, step: int, world: int, rank: int, gather) -> None:
-    """What the train loop's save does (raychat.worker.loop.save), blocking."""
+    """What the train loop's save does (raychat.worker.fault_tolerance.FaultTolerance.save), blocking."""
     saver = CheckpointSaver(run, keep=0, rank=rank, world_size=world, log=lambda _: None)
     saver.prepare(step)
     token = gather(f"token-{step}")[0]

@@ -19,7 +19,7 @@ import pytest
 from conftest import free_port
 from helpers import tiny_flags
 
-from raychat.telemetry.metrics import GAUGES
+from raychat.telemetry.sinks import GAUGES
 
 pytestmark = pytest.mark.ray
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import tiny_flags
 from ray.train import Result
 
-from raychat.checkpoint.format import list_checkpoints
+from raychat.checkpoint.catalog import list_checkpoints
 from raychat.config import add_config_flags, config_from_args
 from raychat.run.prepare import prepare_run
 from raychat.storage import Storage

@@ -192,7 +192,34 @@ def test_the_trainer_is_rays_torch_trainer_with_the_flags_timeout():
     assert (trainer.backend_config.timeout_s, trainer.backend_config.backend) == (60, "gloo")
     assert process_group(config_from_args(parser.parse_args([]))).timeout_s == TorchConfig().timeout_s
     overridden = {name for name, value in vars(RaychatTrainer).items() if callable(value)}
-    assert overridden == {"_create_default_callbacks"}, overridden
+    assert overridden == {"_create_default_callbacks", "_initialize_and_run_controller"}, overridden
+
+
+@pytest.mark.unit
+def test_an_elastic_runs_controller_gets_the_policy_that_grows_when_it_pays():
+    """Ray's trainer hands its controller the scaling policy Ray's factory builds, through the private
+    hook raychat's trainer overrides; an elastic one is replaced by raychat's subclass (same config),
+    a fixed one is left alone, and the decision method raychat overrides still takes its arguments."""
+    from ray.train import ScalingConfig
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from raychat.elastic.controller import GrowWhenItPays, grow_when_it_pays
+
+    internals = _module("raychat.ray_glue.ray_internals")
+    _require(DataParallelTrainer, "_initialize_and_run_controller", "ray.train.v2 DataParallelTrainer")
+    assert "scaling_policy=create_scaling_policy(" in inspect.getsource(DataParallelTrainer.fit), (
+        f"Ray's trainer no longer hands the controller its scaling policy so ({NEEDED})")
+    params = list(inspect.signature(internals.ElasticScalingPolicy.make_decision_for_running_worker_group)
+                  .parameters)
+    assert params[1:] == ["worker_group_state", "worker_group_status"], f"{params} ({NEEDED})"
+    factory = _require(_module("ray.train.v2._internal.execution.scaling_policy"), "create_scaling_policy",
+                       "ray.train.v2 scaling_policy")
+    elastic = factory(ScalingConfig(num_workers=(1, 3)))
+    swapped = grow_when_it_pays({"scaling_policy": elastic, "other": 1}, "session")
+    assert type(swapped["scaling_policy"]) is GrowWhenItPays and swapped["other"] == 1
+    assert swapped["scaling_policy"].scaling_config is elastic.scaling_config
+    fixed = factory(ScalingConfig(num_workers=2))
+    assert grow_when_it_pays({"scaling_policy": fixed}, "session")["scaling_policy"] is fixed
 
 
 @pytest.mark.integration  # a subprocess

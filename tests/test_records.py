@@ -159,7 +159,7 @@ def test_the_stop_note_round_trips_through_storage(tmp_path):
 def test_the_workers_config_reaches_them_typed(ray_session):
     import ray
 
-    from raychat.worker.setup import WorkerRunConfig
+    from raychat.worker.components import WorkerRunConfig
 
     config = WorkerRunConfig(train_config=FLAGS, plan=PLAN, corpus_index=ray.put([1, 2]),
                              tokenizer_fingerprint="tok", session="s1", lease_epoch=2, launched=1.0,

@@ -17,13 +17,13 @@ from raychat.elastic.holders import Replica, ReplicaHolder, start_holders
 from raychat.elastic.replicas import (
     MemoryRestore,
     Replicator,
-    choose_interval,
+    choose_replica_interval,
     choose_set,
     peer_nodes,
     replicas_needed,
     retain_only,
 )
-from raychat.elastic.signals import ElasticSignals
+from raychat.elastic.signals import ElasticSignals, StepFlags
 from raychat.model.gpt import GPTConfig
 from raychat.worker.state import apply_share, read_share, state_pieces
 from raychat.worker.step import train_step
@@ -98,7 +98,7 @@ def test_auto_interval_loses_least_at_the_planned_loss_rate_within_the_budgets()
     # at T = sqrt(2 x 0.01 x 600) = 3.46 s, where 1 step would do for the 2% budget (0.01 / 0.02)
     assert replicas_needed(step_s=1.0, stall_s=0.01, send_s=0.5) == pytest.approx(12 ** 0.5)
     # a copy that fits in the step's shadow (a GPU's, 0.5 ms): 0.77 steps, every step
-    assert choose_interval(replicas_needed(step_s=1.0, stall_s=0.0005, send_s=0.1)) == 1
+    assert choose_replica_interval(replicas_needed(step_s=1.0, stall_s=0.0005, send_s=0.1)) == 1
     # a long copy: the 2% budget needs 30 steps (0.6 / (0.02 x 1)), more than sqrt(2 x 0.6 x 600) = 26.8
     assert replicas_needed(step_s=1.0, stall_s=0.6, send_s=0.5) == pytest.approx(30.0)
     # the send takes 35 steps, and the host stays idle half the time: 70 (Young: 11)
@@ -107,11 +107,12 @@ def test_auto_interval_loses_least_at_the_planned_loss_rate_within_the_budgets()
     # sqrt(2 x 0.06 x 600) = 8.49 s (the 2% budget alone: 3 steps)
     compete = replicas_needed(step_s=1.0, stall_s=0.01, send_s=0.05, sends_compete=True)
     assert compete == pytest.approx(72 ** 0.5)
-    assert choose_interval(2.5) == 3 and choose_interval(7.0) == 7 and choose_interval(0.3) == 1
+    assert choose_replica_interval(2.5) == 3 and choose_replica_interval(7.0) == 7
+    assert choose_replica_interval(0.3) == 1
     # measurements that wobble around a boundary keep the interval (the log said 1, 2, 1, 2, ... before)
-    assert choose_interval(1.2, current=1) == 1 and choose_interval(0.9, current=2) == 2
-    assert choose_interval(1.6, current=1) == 2 and choose_interval(0.5, current=2) == 1
-    assert choose_interval(7.0, current=3) == 7
+    assert choose_replica_interval(1.2, current=1) == 1 and choose_replica_interval(0.9, current=2) == 2
+    assert choose_replica_interval(1.6, current=1) == 2 and choose_replica_interval(0.5, current=2) == 1
+    assert choose_replica_interval(7.0, current=3) == 7
     # per node: its own ranks' and its peer's ranks' shares, two steps each
     assert holder_bytes(share_bytes=100, ranks_per_node=2) == 800
     line = replica_line(0, share_bytes=2**30)
@@ -320,12 +321,13 @@ def test_every_step_is_replicated_and_a_hung_holder_stalls_none_every_rank_skipp
                 elif mine.replicate_skipped:
                     replicator.skipped(step)
             time.sleep(step_s)
-            # local_flags' five numbers at the all-reduce (it reads the Ray Train context for a spot
-            # notice, which a test has not)
-            flags = [(0.0, 0.0, 0.0, float(rank == 0 and replicator.wanted(step + 1, 0, step_s)),
-                      float(replicator.sending())) for rank, replicator in enumerate(ranks)]
+            # each rank's flags at the all-reduce, as local_flags makes them (it reads the Ray Train
+            # context for a spot notice, which a test has not), summed as the all-reduce does
+            flags = [StepFlags(replicate=float(rank == 0 and replicator.wanted(step + 1, 0, step_s)),
+                               sending=float(replicator.sending())).values()
+                     for rank, replicator in enumerate(ranks)]
             for mine in signals:
-                mine.update([sum(values) for values in zip(*flags, strict=True)])
+                mine.update(StepFlags.from_values([sum(values) for values in zip(*flags, strict=True)]))
 
     try:
         assert ray.get([h.kept.remote() for h in holders]) == [[], []]  # both actors up

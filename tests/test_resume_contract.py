@@ -17,7 +17,8 @@ from conftest import s3_uri
 from helpers import STEP_LINE, all_files, copy_tree, log_lines, one_error_line, run_train, tiny_flags
 
 from raychat.checkpoint import fence
-from raychat.checkpoint.format import list_checkpoints, read_meta
+from raychat.checkpoint.catalog import list_checkpoints
+from raychat.checkpoint.format import read_meta
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.reader import CheckpointReader
 from raychat.checkpoint.resume import candidates
@@ -25,11 +26,12 @@ from raychat.checkpoint.saver import CheckpointSaver
 from raychat.common import RaychatError
 from raychat.config import TrainConfig
 from raychat.corpus.writer import CorpusWriter
+from raychat.locations import redact
 from raychat.model.gpt import GPTConfig, build_model
 from raychat.model.precision import resolve_precision
 from raychat.optim.muon_adamw import build_optimizer
 from raychat.run.driver import ray_storage
-from raychat.storage import Storage, redact
+from raychat.storage import Storage
 from raychat.worker.state import apply_share, read_share, state_pieces
 
 SECRET_URI = "s3://AKIDEXAMPLE:wJalrXUtnFEMI@bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http"

@@ -11,17 +11,19 @@ from conftest import s3_uri
 from helpers import all_files, copy_tree, refusal, run_train, tiny_flags
 
 from raychat.checkpoint import fence
+from raychat.checkpoint.catalog import (
+    highest_sequence,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+)
 from raychat.checkpoint.fence import Fence, LeaseLost
 from raychat.checkpoint.format import (
     MANIFEST_FILE,
     META_FILE,
     CheckpointUnreadable,
     checkpoint_dir_name,
-    highest_sequence,
-    latest_valid_checkpoint,
     lineage_suffix,
-    list_checkpoints,
-    prune_checkpoints,
     read_meta,
 )
 from raychat.checkpoint.meta import CheckpointMeta

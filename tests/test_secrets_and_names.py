@@ -27,9 +27,10 @@ from helpers import (
 
 from raychat.common import RaychatError, check_name, run_cli
 from raychat.config import TrainConfig
+from raychat.locations import SafeLocation, join_uri, normalize_location, redact
 from raychat.scaling import resolve_plan
 from raychat.status import auth_token, train_runs
-from raychat.storage import SafeLocation, Storage, join_uri, normalize_location, redact
+from raychat.storage import Storage
 
 KEY, SECRET = "RaychatKeyId42", "Sup3rSecretV4lue+/xyz"  # distinctive: grepped for in every byte
 QUOTED_SECRET = "Sup3rSecretV4lue%2B%2Fxyz"  # as it is written in a URI

@@ -12,9 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from helpers import one_error_line, tiny_flags
 
-from raychat.checkpoint.format import latest_valid_checkpoint
+from raychat.checkpoint.catalog import latest_valid_checkpoint
+from raychat.locations import redact
 from raychat.status import TRAIN_RUNS_API
-from raychat.storage import Storage, redact
+from raychat.storage import Storage
 from raychat.telemetry.metrics_log import METRICS_FILE, read_timeline
 
 pytestmark = pytest.mark.ray

@@ -16,7 +16,7 @@ import pytest
 from conftest import s3_uri
 from helpers import copy_tree
 
-from raychat.checkpoint.format import list_checkpoints
+from raychat.checkpoint.catalog import list_checkpoints
 from raychat.checkpoint.meta import CheckpointMeta, LoopState
 from raychat.common import RaychatError, run_cli
 from raychat.config import TrainConfig

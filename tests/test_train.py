@@ -29,9 +29,11 @@ from reused_processes import Commands
 from run_output import foreign_lines
 from trace_audit import assert_epoch1_exactly_once, attempts_by_step, latest_by_rank, whole_replica_step
 
-from raychat.checkpoint.format import damage, list_checkpoints, rank_file, read_meta
+from raychat.checkpoint.catalog import list_checkpoints
+from raychat.checkpoint.format import damage, rank_file, read_meta
 from raychat.checkpoint.reader import load_checkpoint
 from raychat.storage import Storage
+from testkit.trace import trace_env
 
 pytestmark = pytest.mark.ray
 
@@ -120,7 +122,7 @@ def test_killed_worker_resumes_bit_identical(ray_session, tiny_corpus, tmp_path,
     crashed = subprocess.Popen(
         [sys.executable, "-m", "raychat.train", *tiny_flags(tiny_corpus, storage, "crashed", *flags)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=ray_session.driver_env(RAYCHAT_TRACE_DIR=str(trace)))
+        env=ray_session.driver_env(**trace_env(trace)))
     try:
         # Kill rank 1 for real past step 9 and well before the end, once every rank's holders took a
         # replica at least as new as the newest save that may exist (every 12; the one 1-9 steps back,
@@ -227,7 +229,7 @@ def test_resize_one_three_two_consumes_every_doc_once(ray_session, tiny_corpus, 
     for workers, iterations in ((1, 8), (3, 16), (2, 24)):
         flags = tiny_flags(tiny_corpus, storage, "resize", "--num-workers", str(workers), "--num-iterations",
                            str(iterations), *common)
-        done = run_train(ray_session, flags, RAYCHAT_TRACE_DIR=str(trace))
+        done = run_train(ray_session, flags, **trace_env(trace))
         assert done.returncode == 0, done.stderr[-3000:]
         if saved_by is not None:
             assert f"saved by {saved_by} workers, now {workers}" in done.stdout

@@ -27,8 +27,9 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raychat.common import RaychatError, check_name, default_storage_path, run_cli
+from raychat.locations import join_uri, normalize_location
 from raychat.report.document import REPORT_FILE, write_run_report
-from raychat.storage import Storage, join_uri, normalize_location
+from raychat.storage import Storage
 from raychat.telemetry.metrics_log import has_log
 from tune.fit import ComputeOptimal, compute_optimal
 from tune.plots import EvalCurve, bpb_vs_flops_figure, iso_flop_figure, save_figure

@@ -30,12 +30,13 @@ from ray.tune.integration.ray_train import TuneReportCallback
 import raychat
 from raychat.common import RaychatError, check_name, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
+from raychat.locations import join_uri
 from raychat.plan import plan_vocab_size
 from raychat.ray_glue.cluster_address import check_cluster_answers
 from raychat.run.driver import connect_ray, final_report, fit_run, ray_storage
 from raychat.run.prepare import prepare_inputs, prepare_run, resolve_paths
 from raychat.scaling import Plan, resolve_plan
-from raychat.storage import Storage, join_uri
+from raychat.storage import Storage
 from tune.report import (
     SWEEP_SPEC_FILE,
     TRAIN_RUNS_DIR,

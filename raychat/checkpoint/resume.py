@@ -15,14 +15,8 @@ the latest complete checkpoint, or the one at `--step`, by the same rule (`find_
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from raychat.checkpoint.format import (
-    branch,
-    claimed_checkpoints,
-    damage,
-    latest_valid_checkpoint,
-    list_checkpoints,
-    read_meta,
-)
+from raychat.checkpoint.catalog import branch, claimed_checkpoints, latest_valid_checkpoint, list_checkpoints
+from raychat.checkpoint.format import damage, read_meta
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.reader import CheckpointReader
 from raychat.checkpoint.shardfile import CheckpointDamaged

@@ -21,8 +21,9 @@ from collections.abc import Callable
 
 import torch
 
+from raychat.checkpoint.catalog import highest_sequence, prune_checkpoints, step_of
 from raychat.checkpoint.fence import Fence, LeaseLost
-from raychat.checkpoint.format import checkpoint_dir_name, highest_sequence, prune_checkpoints, step_of
+from raychat.checkpoint.format import checkpoint_dir_name
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.sharded import Piece, finish_checkpoint, prepare_overwrite, write_rank
 from raychat.common import RaychatError

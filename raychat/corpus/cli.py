@@ -11,7 +11,8 @@ from raychat.corpus import download, fixture, ingest, sample
 from raychat.corpus.check import validate_corpus
 from raychat.corpus.index import DEFAULT_DOCS_PER_SHARD, ROW_GROUP_SIZE
 from raychat.evaluation import download as eval_bundle
-from raychat.storage import Storage, is_uri
+from raychat.locations import is_uri
+from raychat.storage import Storage
 
 DESCRIPTION = """\
 Create, check and inspect raychat corpora: directories of parquet shards in nanochat's layout

@@ -31,7 +31,8 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from raychat.common import RaychatError, raychat_home
 from raychat.corpus.files import corpus_storage
 from raychat.corpus.index import open_shard, read_corpus_meta, shard_filename, write_corpus_meta
-from raychat.storage import Storage, is_uri, join_uri, normalize_location, redact
+from raychat.locations import is_uri, join_uri, normalize_location, redact
+from raychat.storage import Storage
 
 REPO_ID = "karpathy/climbmix-400b-shuffle"
 REPO_TYPE = "dataset"

@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 
 from raychat.common import RaychatError
 from raychat.faults import is_missing, retry_transient
-from raychat.storage import FileInfo, Storage, join_uri
+from raychat.locations import join_uri
+from raychat.storage import FileInfo, Storage
 
 TAIL_BYTES = 64 * 1024    # one range request fetches the footer of a shard of ClimbMix's layout
 CHECK_HINT = "check it with `python -m raychat.corpus check --deep DATA_DIR`"

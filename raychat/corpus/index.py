@@ -35,8 +35,9 @@ from raychat.corpus.files import (
     read_row_group,
 )
 from raychat.faults import retry_transient
+from raychat.locations import is_uri, join_uri, normalize_location
 from raychat.records import Record
-from raychat.storage import Storage, is_uri, join_uri, normalize_location
+from raychat.storage import Storage
 
 ROW_GROUP_SIZE = 1024
 DEFAULT_DOCS_PER_SHARD = 8 * ROW_GROUP_SIZE

@@ -301,7 +301,7 @@ class TrainLoader:
 
     def __init__(self, index: CorpusIndex, tokenizer_dir: str, seq_len: int, rank: int, world_size: int,
                  cursor: Cursor | None = None, shuffle_seed: int | None = None, buffer_size: int = 1000,
-                 data_tasks: int = 1, record_consumed: bool = True):
+                 data_tasks: int = 1, record_consumed: bool = False):
         self.index = index
         self.seq_len = seq_len
         Tokenizer.load(tokenizer_dir)   # a missing tokenizer fails here, in one line, not inside Ray Data
@@ -314,8 +314,8 @@ class TrainLoader:
                                     data_tasks, owed_reads=len(self._sequence.handover))
         self._feed = DocFeed(self._sequence, self._reader)
         self._packer = BestFitPacker(seq_len + 1, buffer_size)
-        # Consumed ids for consumed_doc_ids(), 12 bytes each (a long run that never asks for them
-        # should pass record_consumed=False).
+        # Consumed ids for consumed_doc_ids(), 12 bytes each for the whole run: kept only for an
+        # audit that asks (a step observer: raychat.worker.observer).
         self._record_consumed = record_consumed
         self._consumed: list[np.ndarray] = []
 
@@ -333,6 +333,8 @@ class TrainLoader:
 
     def consumed_doc_ids(self) -> list[DocId]:
         """(epoch, unit, row) of the documents placed into rows returned since the last call."""
+        if not self._record_consumed:
+            raise ValueError("this loader keeps no consumed ids: make it with record_consumed=True")
         consumed, self._consumed = self._consumed, []
         return [tuple(doc) for chunk in consumed for doc in chunk.tolist()]
 

@@ -28,12 +28,16 @@ from raychat.elastic.coordinator import coordinator_name
 from raychat.ray_glue.ray_internals import (
     AUTOSCALING_COORDINATOR,
     ControllerCallback,
+    ElasticScalingPolicy,
+    NoopDecision,
     ReschedulingState,
+    ResizeDecision,
     ResizingState,
     RestartingState,
     train_requester_id,
 )
 from raychat.storage import Storage
+from raychat.telemetry.console import log_line
 
 SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
 RESERVATION_FILE = "raychat_reservation.json"  # in the run directory: the controller's resource request
@@ -62,6 +66,43 @@ class PlannedResizeSave(ControllerCallback):
             if ray.get(coordinator.get_saved_step.remote()) is not None:
                 return
             time.sleep(0.2)
+
+
+class GrowWhenItPays(ElasticScalingPolicy):
+    """Ray Train's elastic policy, which grows a running group whenever more workers fit, less the
+    grows that do not pay: a grow restarts the group, and near the end of a run (or while restarts
+    are slow) the steps left would finish sooner at the size the group has. The run's coordinator
+    judges (raychat.elastic.coordinator.grow_verdict, from the measured restart cost and step time)
+    and the verdict is said once per sizes; `always` (--grow always) says it and grows anyway.
+    Shrinks, and a grow Ray decides before anything is measured, stand as Ray decides them."""
+
+    def __init__(self, scaling_config, session: str, always: bool = False):
+        super().__init__(scaling_config)
+        self.session, self.always = session, always
+
+    def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
+        decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
+        current = worker_group_state.num_workers
+        if not isinstance(decision, ResizeDecision) or decision.num_workers <= current:
+            return decision
+        try:
+            coordinator = ray.get_actor(coordinator_name(self.session))
+            verdict = ray.get(coordinator.grow_verdict.remote(decision.num_workers), timeout=10)
+            if verdict is not None and ray.get(coordinator.say_once.remote((current, decision.num_workers)),
+                                               timeout=10):
+                log_line(verdict.line + (" (--grow always: growing)" if self.always and not verdict.pays
+                                         else ""))
+        except (ValueError, ray.exceptions.RayError):  # no verdict to be had: Ray's decision stands
+            return decision
+        return decision if verdict is None or verdict.pays or self.always else NoopDecision()
+
+
+def grow_when_it_pays(controller_kwargs: dict, session: str, always: bool = False) -> dict:
+    """The controller's arguments with an elastic run's scaling policy replaced by GrowWhenItPays."""
+    policy = controller_kwargs.get("scaling_policy")
+    if type(policy) is not ElasticScalingPolicy:
+        return controller_kwargs
+    return {**controller_kwargs, "scaling_policy": GrowWhenItPays(policy.scaling_config, session, always)}
 
 
 class NoteRestart(ControllerCallback):

@@ -5,15 +5,19 @@ The controller's callbacks (raychat.elastic) ask it for a save before a planned 
 polls it without blocking (the request reaches every rank through the step's loss all-reduce); it
 remembers the last step each attempt trained and any step it saved on a preemption notice, so a new
 attempt can say "Lost 1 worker(s) ...; 7 steps redone" or "Grew to 3 workers at step 160 (no steps
-redone)"; it owns the run's replica holders (raychat.elastic.holders), which end with it; and it keeps
-rank 0's final report for the driver.
+redone)"; it measures what a restart of the group costs and what a step takes, so the controller's
+scaling policy grows the group only when that pays (`grow_verdict`); it owns the run's replica
+holders (raychat.elastic.holders), which end with it; and it keeps rank 0's final report for the
+driver.
 
 It imports no torch: its process starts on the run's start path (raychat.elastic.holders says why that
 matters).
 """
 
 import contextlib
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +59,30 @@ class FinalResult(Record):
     peak_memory_mib: float | None = None
 
 
+@dataclass(frozen=True)
+class GrowVerdict(Record):
+    """Whether growing the worker group now finishes the run sooner, and the line that says why."""
+
+    pays: bool
+    line: str
+
+
+RECENT_STEPS = 20  # the step time a grow is judged by: the median of this many recent steps
+
+
+def grow_verdict(world_size: int, to_workers: int, steps_left: int, step_s: float, restart_s: float
+                 ) -> GrowVerdict:
+    """A grow stops the group, loses `restart_s` (the run's measured cost of a restart: detection,
+    a new group, its restore and first step, compile included) and then trains the steps left
+    `to_workers / world_size` times as fast (every step is the same global batch, shared by more
+    ranks). It pays when the time saved over the steps left exceeds that cost."""
+    saved_s = steps_left * step_s * (1 - world_size / to_workers)
+    pays = saved_s > restart_s
+    verb = "Growing" if pays else "Not growing"
+    return GrowVerdict(pays, f"{verb} from {world_size} to {to_workers} workers: {steps_left} steps left at "
+                             f"{step_s:.2f}s would save {saved_s:.0f}s against a restart's {restart_s:.0f}s")
+
+
 @ray.remote(num_cpus=0)
 class Coordinator:
     """Shared state of one run's attempts (one actor per driver run, named after its session)."""
@@ -68,6 +96,13 @@ class Coordinator:
         self.last_progress: float | None = None  # when the current attempt last finished a step
         self.noticed: float | None = None  # when the controller last began a restart or resize
         self.attempts = 0
+        self.created = time.time()  # about when the driver launched: the first attempt's start-up from here
+        self.total_steps: int | None = None  # the run's last step + 1
+        self.step_s: deque[float] = deque(maxlen=RECENT_STEPS)  # the current attempt's recent steps
+        self.restart_from: float | None = None  # when the attempt before the current one last trained
+        self.restart_s: float | None = None  # what the latest restart cost (None: none measured yet)
+        self.startup_s: float | None = None  # the first attempt's launch to its first step: the estimate
+        self.said_grow: set[tuple[int, int]] = set()  # the verdicts said, by (from, to) size
         self.final: FinalResult | None = None
         self.holders: dict[str, ray.actor.ActorHandle] = {}  # by node id (raychat.elastic.holders)
 
@@ -92,11 +127,40 @@ class Coordinator:
     def preemption_saved(self, step: int) -> None:
         self.notice_step = step
 
-    def progress(self, step: int) -> bool:
-        """Rank 0 finished `step` (what a restart redoes); the reply says whether a planned resize
-        asked for a save, so the one call per step serves both."""
-        self.last_step, self.last_progress = step, time.time()
+    def progress(self, step: int, step_s: float | None = None) -> bool:
+        """Rank 0 finished `step` in `step_s` seconds (what a restart redoes, and what a grow is judged
+        by); the reply says whether a planned resize asked for a save, so the one call per step
+        serves both. An attempt's first step closes the measurement of what its start cost."""
+        now = time.time()
+        if self.last_step is None:  # the attempt's first step: it trained, the rest of the wait did not
+            began = self.restart_from if self.restart_from is not None else self.created
+            cost = max(0.0, now - began - (step_s or 0.0))
+            if self.restart_from is not None:
+                self.restart_s = cost
+            elif self.attempts == 1:
+                self.startup_s = cost
+        elif step_s is not None:  # the first step compiles and warms up: no step time to plan with
+            self.step_s.append(step_s)
+        self.last_step, self.last_progress = step, now
         return self.poll_request()
+
+    def grow_verdict(self, to_workers: int) -> GrowVerdict | None:
+        """Whether growing the current group to `to_workers` pays (`grow_verdict`), from the latest
+        restart's cost (before any: the run's start-up) and the recent steps. None while nothing is
+        measured yet (Ray's decision stands)."""
+        cost = self.restart_s if self.restart_s is not None else self.startup_s
+        if (cost is None or not self.step_s or self.world_size is None or self.total_steps is None
+                or self.last_step is None):
+            return None
+        return grow_verdict(self.world_size, to_workers, self.total_steps - self.last_step - 1,
+                            statistics.median(self.step_s), cost)
+
+    def say_once(self, key: tuple[int, int]) -> bool:
+        """True the first time a verdict for this (from, to) pair is to be said in this attempt."""
+        if key in self.said_grow:
+            return False
+        self.said_grow.add(key)
+        return True
 
     def restart_noticed(self, at: float) -> None:
         """The controller began restarting or resizing the group (`NoteRestart`), at `at`."""
@@ -118,12 +182,17 @@ class Coordinator:
         created here, so they end with this actor (the driver's run), not with a worker or its node."""
         return dict(start_holders(self.holders, node_ids))
 
-    def start_attempt(self, step: int, world_size: int) -> Attempt:
+    def start_attempt(self, step: int, world_size: int, total_steps: int | None = None) -> Attempt:
         """Called by rank 0 of each new attempt: what the previous attempt did."""
         previous = Attempt(attempt=self.attempts, last_step=self.last_step, world_size=self.world_size,
                            planned_step=self.saved_step, notice_step=self.notice_step,
                            last_progress=self.last_progress, noticed=self.noticed)
+        if self.attempts:  # a restart: what it cost is measured up to this attempt's first step
+            self.restart_from = self.last_progress or self.noticed
         self.attempts += 1
+        self.total_steps = total_steps if total_steps is not None else self.total_steps
+        self.step_s.clear()
+        self.said_grow.clear()
         self.last_step, self.world_size, self.saved_step, self.notice_step = None, world_size, None, None
         self.last_progress = self.noticed = None
         # A planned-resize request the old group never answered (it came at the last step, or the

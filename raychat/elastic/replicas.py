@@ -48,9 +48,9 @@ from raychat.model.gpt import GPTConfig
 
 T = TypeVar("T")
 
-RECENT_STEPS = 20  # auto: the step time is the median of this many recent steps
-CHANGE = 1.5  # auto: the interval changes when what it needs moves this far from it
-PROBE_STEPS = 2  # auto: the attempt's first replica, this many steps in (past the first step's warm-up)
+REPLICA_RECENT_STEPS = 20  # auto: the step time is the median of this many recent steps
+REPLICA_CHANGE = 1.5  # auto: the interval changes when what it needs moves this far from it
+REPLICA_PROBE_STEPS = 2  # auto: the attempt's first replica this many steps in, past the first's warm-up
 
 
 def peer_nodes(node_of_rank: list[str]) -> list[str | None]:
@@ -80,10 +80,10 @@ def replicas_needed(step_s: float, stall_s: float, send_s: float, sends_compete:
     return max(by_budget / step_s, min(least_loss, at_most) if at_most else least_loss)
 
 
-def choose_interval(needed: float, current: int = 0) -> int:
+def choose_replica_interval(needed: float, current: int = 0) -> int:
     """The interval for `needed` steps per replica: `current` while it is within a factor of
-    CHANGE of it (measurements wobble around a boundary), else the least whole number of steps."""
-    if current and needed / CHANGE <= current <= math.ceil(needed * CHANGE):
+    REPLICA_CHANGE of it (measurements wobble around a boundary), else the least whole number of steps."""
+    if current and needed / REPLICA_CHANGE <= current <= math.ceil(needed * REPLICA_CHANGE):
         return current
     return max(1, math.ceil(round(needed, 6)))  # (15 s / 0.3 s is 50.000000000000014 in floats)
 
@@ -111,7 +111,7 @@ class Replicator:
         # The last send's CPU time in its thread (serializing, copying into the object store): what
         # it takes from training on a CPU device; its wall time is mostly waiting on the holders.
         self.send_cpu_s = 0.0
-        self._steps: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._steps: deque[float] = deque(maxlen=REPLICA_RECENT_STEPS)
 
     def replicate(self, replica: Replica) -> None:
         """Copy `replica`'s pieces now (the stall); put and send them in a background thread. A state
@@ -205,14 +205,14 @@ class Replicator:
         if step_s > 0 and step > first_step + 1:  # the attempt's first step is its warm-up: not a sample
             self._steps.append(step_s)
         if self.last_step is None:
-            return step >= first_step + PROBE_STEPS
+            return step >= first_step + REPLICA_PROBE_STEPS
         if not self._steps or (not self.every and not self.writer.done()):  # the probe's send, still
             return False                                                  # going, has no cost yet
         median_s = statistics.median(self._steps)
         send_s = self.send_cpu_s if self.sends_compete else self.writer.write_seconds
         needed = replicas_needed(median_s, self.writer.snapshot_seconds, send_s, self.sends_compete,
                                  at_most=self.saves_every)
-        every = choose_interval(needed, self.every)
+        every = choose_replica_interval(needed, self.every)
         capped = every == self.saves_every
         if every != self.every:
             copy_s = self.writer.snapshot_seconds

@@ -7,8 +7,8 @@ carries the answer to every rank, so they all save at the same step.
 """
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 
 import ray
 
@@ -39,7 +39,8 @@ def describe_attempt(previous: Attempt, step: int, world_size: int, checkpoint: 
     what = f"Lost {lost} worker(s)" if lost > 0 else "A worker failed"
     if previous.notice_step is not None:
         # The notice's save comes as late as its deadline allows and the group then waits for the
-        # node to go (raychat.worker.loop.save_on_request): nothing is redone unless Ray gave no deadline.
+        # node to go (raychat.worker.fault_tolerance.FaultTolerance.save_on_request): nothing is
+        # redone unless Ray gave no deadline.
         what = f"Preempted (saved step {previous.notice_step} on the notice)"
     where = f"from step {step} ({checkpoint})" if checkpoint else f"from step {step} (no checkpoint yet)"
     return AttemptStart("failure", f"{what}: continuing on {world_size} {where}; {redone} steps redone",
@@ -73,6 +74,27 @@ def notice_save_due(deadline: float | None, now: float, save_s: float | None, st
     return now >= deadline - notice_margin(save_s, step_s)
 
 
+@dataclass(frozen=True)
+class StepFlags:
+    """What every rank must agree on at a step boundary, one float each so that they ride, summed
+    across ranks, on the step's loss all-reduce (raychat.worker.step.train_step): a sum above 0 means
+    some rank said yes. Fields in the order they travel."""
+
+    resize: float = 0.0  # rank 0: the controller asked for a save before a planned resize
+    preempt: float = 0.0  # a rank's node got a preemption notice and its save is due now
+    checkpoint: float = 0.0  # rank 0's auto cadence wants the next step saved
+    replicate: float = 0.0  # rank 0 wants the next step mirrored in peer memory
+    sending: float = 0.0  # a rank's last replica is still being sent
+    lost: float = 0.0  # a rank's last save found another driver holds the run
+
+    def values(self) -> tuple[float, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    @classmethod
+    def from_values(cls, values: Sequence[float]) -> "StepFlags":
+        return cls(*values)
+
+
 @dataclass
 class ElasticSignals:
     """A worker's side of the elastic protocol: whether any rank was asked to save now (rank 0 by
@@ -94,33 +116,32 @@ class ElasticSignals:
     save_s: float | None = None  # this rank's last save in this attempt: its stall and write
 
     def local_flags(self, checkpoint_due: bool = False, busy_next: bool = False, replicate_due: bool = False,
-                    still_sending: Callable[[], bool] | None = None) -> tuple[float, ...]:
-        """(resize requested here, a preemption notice's save due here, a periodic save due by rank 0's
-        cadence, a memory replica due by rank 0's, this rank's last replica still being sent) as
-        numbers to sum across ranks; asked just before the step's all-reduce. `busy_next`: an
-        evaluation or the final step comes after this step (a notice's save goes before it)."""
+                    still_sending: Callable[[], bool] | None = None) -> "StepFlags":
+        """This rank's flags, asked just before the step's all-reduce. `busy_next`: an evaluation or
+        the final step comes after this step (a notice's save goes before it)."""
         due = notice_save_due(preemption_deadline(), time.time(), self.save_s, self.step_s, busy_next)
-        preempted = not self.preempt_saved and due
-        sending = still_sending is not None and still_sending()
-        return (float(self._poll_resize()), float(preempted), float(checkpoint_due), float(replicate_due),
-                float(sending))
+        return StepFlags(resize=float(self._poll_resize()), preempt=float(not self.preempt_saved and due),
+                         checkpoint=float(checkpoint_due), replicate=float(replicate_due),
+                         sending=float(still_sending is not None and still_sending()))
 
-    def update(self, summed: list[float]) -> None:
-        resize, preempt, due, replicate, sending = summed
-        self.resize_requested, self.preempt_requested, self.checkpoint_due = resize > 0, preempt > 0, due > 0
+    def update(self, summed: "StepFlags") -> None:
+        """Take the flags summed over the ranks: every rank then acts on the same answers."""
+        self.resize_requested, self.preempt_requested = summed.resize > 0, summed.preempt > 0
+        self.checkpoint_due = summed.checkpoint > 0
         # Every rank replicates the same steps (a restore needs a whole set), none waits for a send:
         # a step some rank is still sending for is skipped by all.
-        self.any_sending = sending > 0
-        self.replicate_due = replicate > 0 and not self.any_sending
-        self.replicate_skipped = replicate > 0 and self.any_sending
+        self.any_sending = summed.sending > 0
+        self.replicate_due = summed.replicate > 0 and not self.any_sending
+        self.replicate_skipped = summed.replicate > 0 and self.any_sending
 
     def progress(self, step: int) -> None:
-        """Rank 0, after each step: tell the coordinator (fire and forget: what a restart redoes).
-        Its reply carries the planned-resize flag `_poll_resize` reads; while an older reply is
-        unread it stays the one read, so replies slower than a step still get through."""
+        """Rank 0, after each step: tell the coordinator the step and its time (fire and forget: what
+        a restart redoes, and what a grow is judged by). Its reply carries the planned-resize flag
+        `_poll_resize` reads; while an older reply is unread it stays the one read, so replies slower
+        than a step still get through."""
         if self.coordinator is None:
             return
-        reply = self.coordinator.progress.remote(step)
+        reply = self.coordinator.progress.remote(step, self.step_s)
         if self.save_request is None:
             self.save_request = reply
 

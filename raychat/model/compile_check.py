@@ -42,3 +42,15 @@ def check_compile(mode: str, gpus_per_worker: float) -> bool:
         print(f"Checking that torch.compile works on {device.type} (--compile {mode})...", flush=True)
         probe_compile(device)
     return True
+
+
+def seconds_compiling() -> float:
+    """Seconds this process has spent in torch.compile so far, by TorchDynamo's own account (a private
+    API, read here only: 0.0 where a torch release lacks it). The difference across a step is what
+    the step spent compiling, which the time ledger counts as `compile`, not as training."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return float(calculate_time_spent().get("entire_frame_compile", 0.0))
+    except Exception:  # noqa: BLE001 -- a private API: its absence costs the split, never a step
+        return 0.0

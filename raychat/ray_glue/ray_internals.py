@@ -40,8 +40,17 @@ STDSTREAM_DISPATCHER = global_worker_stdstream_dispatcher
 # restart after a failure); `before_controller_execute_resize_decision` runs before the old group is
 # shut down. ray.train offers no public callback at those points; raychat saves before a planned
 # resize and refreshes the cluster view before a restart there.
+#
+# Ray Train's elastic scaling policy decides in the controller when to resize a running group
+# (`make_decision_for_running_worker_group`: a ResizeDecision or a NoopDecision). Nothing public lets
+# a run veto a grow, so raychat's policy subclasses it (raychat.elastic.controller.GrowWhenItPays),
+# and the trainer hands it to the controller in place of the one Ray would build
+# (`DataParallelTrainer._initialize_and_run_controller(scaling_policy=...)`, private too).
 CONTROLLER_NAMES = {
     "ControllerCallback": "ray.train.v2._internal.execution.callback",
+    "ElasticScalingPolicy": "ray.train.v2._internal.execution.scaling_policy",
+    "NoopDecision": "ray.train.v2._internal.execution.scaling_policy",
+    "ResizeDecision": "ray.train.v2._internal.execution.scaling_policy",
     "ReschedulingState": "ray.train.v2._internal.execution.controller.state",
     "ResizingState": "ray.train.v2._internal.execution.controller.state",
     "RestartingState": "ray.train.v2._internal.execution.controller.state",

@@ -12,6 +12,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from raychat.common import RaychatError
+from raychat.locations import join_uri
 from raychat.report.findings import findings
 from raychat.report.plots import loss_figure, lr_figure, save_figure, throughput_figure, time_figure
 from raychat.report.summary import (
@@ -24,7 +25,7 @@ from raychat.report.summary import (
     sample_lines,
     throughput_lines,
 )
-from raychat.storage import Location, Storage, join_uri
+from raychat.storage import Location, Storage
 from raychat.telemetry.metrics_log import METRICS_FILE, Timeline, read_timeline
 
 REPORT_FILE = "report.md"

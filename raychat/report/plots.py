@@ -118,7 +118,8 @@ def lr_figure(t: Timeline, markers: list[Marker]) -> Figure:
 
 CAUSE_COLOURS = {"startup": "grey", "training": "seagreen", "data_wait": "gold", "redone": "red",
                  "checkpoint": "royalblue", "eval": "mediumpurple", "detect": "darkorange",
-                 "reschedule": "sandybrown", "restore": "peru", "first_step": "khaki", "other": "lightgrey"}
+                 "reschedule": "sandybrown", "restore": "peru", "first_step": "khaki", "compile": "goldenrod",
+                 "other": "lightgrey"}
 
 
 def time_figure(ledger: Ledger) -> Figure:

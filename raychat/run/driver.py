@@ -20,11 +20,12 @@ import threading
 from collections.abc import Callable
 
 import ray
-from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 
-from raychat.checkpoint.format import highest_sequence, latest_valid_checkpoint, lineage_suffix
+from raychat.checkpoint.catalog import highest_sequence, latest_valid_checkpoint
+from raychat.checkpoint.format import lineage_suffix
 from raychat.checkpoint.stop_note import clear_stop_note, read_stop_note
 from raychat.common import (
     RaychatError,
@@ -35,6 +36,7 @@ from raychat.elastic.controller import (
     NoteRestart,
     PlannedResizeSave,
     RecordReservation,
+    grow_when_it_pays,
     release_stale_reservation,
 )
 from raychat.elastic.coordinator import (
@@ -47,15 +49,16 @@ from raychat.elastic.coordinator import (
 )
 from raychat.elastic.lease import RunLease
 from raychat.faults import retry_transient
+from raychat.locations import is_uri, redact
 from raychat.ray_glue.cluster_address import LOCAL
 from raychat.ray_glue.quiet import VERBOSE_ENV, quiet_ray, verbose
 from raychat.ray_glue.ray_internals import record_command_line_redacted, without_dataset_manager
 from raychat.ray_glue.runtime_env import worker_runtime_env
 from raychat.run.prepare import Log, PreparedRun, choose_checkpoint
-from raychat.storage import Storage, is_uri, redact
+from raychat.storage import Storage
 from raychat.telemetry.console import install_driver_printer, plain_when_redirected
+from raychat.worker.components import WorkerRunConfig
 from raychat.worker.loop import train_loop_per_worker
-from raychat.worker.setup import WorkerRunConfig
 
 # After a node loss Ray may size the restart from a view of the cluster that still has the node,
 # then wait this long for it before retrying at the size that fits (Ray's default is 60 s). Read by
@@ -182,6 +185,13 @@ class RaychatTrainer(TorchTrainer):
     def _create_default_callbacks(self) -> list:
         return without_dataset_manager(super()._create_default_callbacks(), self.datasets)
 
+    def _initialize_and_run_controller(self, **controller_kwargs) -> Result:
+        """An elastic run grows only when that pays (raychat.elastic.controller.GrowWhenItPays)."""
+        config = WorkerRunConfig.from_dict(self.train_loop_config, where="train_loop_config")
+        always = config.train_config.grow == "always"
+        return super()._initialize_and_run_controller(**grow_when_it_pays(controller_kwargs, config.session,
+                                                                          always))
+
 
 def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
                   run_config_overrides: dict | None = None) -> RaychatTrainer:
@@ -197,7 +207,7 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
     if len(set(cfg.worker_range())) > 1:  # elastic
         callbacks += [PlannedResizeSave(run.session), FreshClusterView()]
     callbacks += [RecordReservation(run.run_dir.location, run.lease_epoch), NoteRestart(run.session)]
-    # Rank 0 names each checkpoint to Ray Train without upload (raychat.telemetry.metrics.TrainReport). Ray
+    # Rank 0 names each checkpoint to Ray Train without upload (raychat.telemetry.sinks.TrainReport). Ray
     # keeps them all (num_to_keep None): with a number, Ray deletes raychat's checkpoint directories;
     # raychat's saver prunes them (--keep-checkpoints).
     run_kwargs = dict(name=cfg.name, failure_config=FailureConfig(max_failures=cfg.max_failures),

@@ -35,12 +35,13 @@ from raychat.data.loader import check_cursor_fits
 from raychat.elastic.lease import heartbeat_from_env
 from raychat.evaluation.download import check_eval_bundle
 from raychat.faults import check_settings
+from raychat.locations import is_uri, normalize_location
 from raychat.model.compile_check import check_compile
 from raychat.model.precision import check_precision
 from raychat.optim.registry import check_same_optimizer
 from raychat.ray_glue.cluster_address import check_cluster_answers
 from raychat.scaling import Plan, resolve_plan
-from raychat.storage import Storage, is_uri, normalize_location
+from raychat.storage import Storage
 from raychat.tokenizer.core import Tokenizer, check_vocab
 from raychat.tokenizer.train import train_tokenizer
 

@@ -9,7 +9,8 @@ preemptible GPUs pays for. The rest is accounted by cause, so the causes partiti
   reschedule   from then to the new worker group running the train function
   restore      the new group's setup: model, optimizer, checkpoint read, the loader started
   first_step   from the restored state to the new attempt's first step (evaluations apart)
-  training     steps that advanced training (their time waiting for data apart)
+  compile      steps' time in torch.compile (an attempt's first step, recompiles), from the step records
+  training     steps that advanced training (their time waiting for data and compiling apart)
   data_wait    those steps waiting for their batch
   redone       steps trained again after a restart (all their time: their work was lost)
   checkpoint   the step loop stalled by saves (the copy to host memory, the final synchronous save)
@@ -27,9 +28,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-CAUSES = ("startup", "detect", "reschedule", "restore", "first_step", "training", "data_wait", "redone",
-          "checkpoint", "eval", "other")  # an attempt's causes roughly in the order its time passes
-RESTART_CAUSES = ("detect", "reschedule", "restore", "first_step")
+CAUSES = ("startup", "detect", "reschedule", "restore", "first_step", "compile", "training", "data_wait",
+          "redone", "checkpoint", "eval", "other")  # an attempt's causes roughly in the order its time passes
+RESTART_CAUSES = ("detect", "reschedule", "restore", "first_step", "compile")
 
 
 @dataclass
@@ -155,10 +156,12 @@ def ledger(records: list[dict[str, Any]]) -> Ledger:
             s["first_step"] = max(0.0, first_start - t_start - pre_eval - pre_ckpt)
             wall_from = end
         for r in steps:
+            compiling = r.get("compile_s", 0.0)  # a cost of its own, redone step or not
+            s["compile"] += compiling
             if r["step"] >= later_start[i]:
-                s["redone"] += r.get("dt", 0.0)
+                s["redone"] += r.get("dt", 0.0) - compiling
             else:
-                s["training"] += r.get("dt", 0.0) - r.get("data_wait_s", 0.0)
+                s["training"] += r.get("dt", 0.0) - r.get("data_wait_s", 0.0) - compiling
                 s["data_wait"] += r.get("data_wait_s", 0.0)
         s["eval"] = _running(body, "eval_s_so_far")
         s["checkpoint"] = _running(body, "checkpoint_s_so_far")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from raychat.common import RaychatError, default_data_dir, default_tokenizer_dir
 from raychat.corpus.index import iter_split_texts
-from raychat.storage import is_uri, normalize_location, redact
+from raychat.locations import is_uri, normalize_location, redact
 from raychat.tokenizer.core import Tokenizer
 from raychat.tokenizer.nanochat import import_nanochat_tokenizer
 from raychat.tokenizer.stats import tokenizer_stats

@@ -30,7 +30,7 @@ import numpy as np
 import tiktoken
 
 from raychat.common import RaychatError
-from raychat.storage import is_uri, redact
+from raychat.locations import is_uri, redact
 from raychat.tokenizer.remote import local_copy
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ import numpy as np
 
 from raychat.common import RaychatError
 from raychat.corpus.index import CorpusIndex, iter_split_texts
-from raychat.storage import normalize_location
+from raychat.locations import normalize_location
 from raychat.tokenizer.core import (
     FORMAT_VERSION,
     HF_FILE,

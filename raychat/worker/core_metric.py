@@ -11,11 +11,12 @@ in each checkpoint.
 
 import time
 
+from raychat.checkpoint.meta import LoopState
 from raychat.config import TrainConfig
 from raychat.evaluation.bundle import cached_bundle
 from raychat.evaluation.core import combine, format_core_line, score_shard
 from raychat.evaluation.download import bundle_dir
-from raychat.worker.setup import LoopState, Worker, all_gather_objects
+from raychat.worker.components import Worker, all_gather_objects
 
 
 def core_due(cfg: TrainConfig, step: int, last_step: bool) -> bool:

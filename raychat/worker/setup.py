@@ -1,9 +1,9 @@
 """What one Ray Train worker builds before its first step: the three things the loop runs on.
 
-- `Worker`: the components (model, optimizer, loader, saver, metrics sinks), built once;
+- `Worker` (raychat.worker.components): the model, optimizer, loader, saver and metrics sinks;
 - `LoopState`: the step and the counters a resume restores, which the loop advances;
-- `ElasticSignals` (raychat.elastic): rank 0's handle on the run's coordinator and the requests
-  to save now (planned resize, preemption notice).
+- `FaultTolerance` (raychat.worker.fault_tolerance): saves, memory replicas and the elastic signals
+  (rank 0's handle on the run's coordinator, the requests to save now).
 
 `setup` reads the run's config, agrees with the other ranks on the checkpoint to resume from (see
 raychat.checkpoint.resume), starts the data loader on its cursor first (so Ray Data's start-up and the first
@@ -16,12 +16,11 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray.train
 import torch
-import torch.distributed as dist
 
 from raychat.checkpoint.fence import Fence, LeaseLost
 from raychat.checkpoint.meta import CheckpointMeta, LoopState
@@ -30,7 +29,7 @@ from raychat.checkpoint.saver import CheckpointSaver
 from raychat.checkpoint.shardfile import io_count
 from raychat.common import RaychatError
 from raychat.config import TrainConfig
-from raychat.corpus.index import CorpusIndex, CorpusRecord, confirm_identity, corpus_record
+from raychat.corpus.index import CorpusIndex, confirm_identity, corpus_record
 from raychat.data.loader import TrainLoader
 from raychat.elastic.coordinator import coordinator_name
 from raychat.elastic.replicas import MemoryRestore, Replicator, peer_nodes, retain_only
@@ -44,86 +43,18 @@ from raychat.model.precision import configure_matmuls, resolve_precision
 from raychat.optim.base import ShardedOptimizer
 from raychat.optim.registry import optimizer_spec
 from raychat.ray_glue.nccl_transport import NcclReport
-from raychat.records import Record
 from raychat.scaling import Plan, rank_rows
 from raychat.storage import Storage
 from raychat.telemetry.console import log_line
-from raychat.telemetry.metrics import LogLines, Publisher, RayMetrics, TrainReport, WandbLogger
+from raychat.telemetry.metrics import Publisher
 from raychat.telemetry.metrics_log import MetricsLog
+from raychat.telemetry.sinks import LogLines, RayMetrics, TrainReport, WandbLogger
 from raychat.tokenizer.core import Tokenizer, check_vocab
+from raychat.worker.components import Worker, WorkerRunConfig, all_gather_objects
+from raychat.worker.fault_tolerance import FaultTolerance
+from raychat.worker.observer import load_observer
 from raychat.worker.state import Share, apply_share, read_share
 from raychat.worker.step import micro_slices
-
-
-@dataclass
-class WorkerRunConfig(Record):
-    """What the driver hands every worker of a run through Ray Train's train_loop_config (as a dict:
-    Ray Train keeps it in its run state), read back as this record by `train_loop_per_worker`."""
-
-    train_config: TrainConfig  # resolved paths; locations pickle with their credentials (SafeLocation)
-    plan: Plan  # at the largest world size of the range; each group deals it to its own size
-    # Where the index is, not the index (megabytes for a real corpus): the workers get it from the
-    # object store and check its identity.
-    corpus_index: ray.ObjectRef
-    tokenizer_fingerprint: str  # every rank must load this one
-    session: str  # the driver's run: its coordinator's name, and which checkpoints a restart prefers
-    lease_epoch: int  # checked before every save and prune (raychat.checkpoint.fence)
-    launched: float  # the time ledger's start (raychat.telemetry.ledger)
-    resume_from: str | None  # the checkpoint the driver chose
-    init_weights: ray.ObjectRef | None  # nanochat's state, through the object store: no file on the workers
-    compile_checked: bool  # torch.compile already probed on the workers' device type
-    checkpoint_suffix: str = ""  # the names this run saves under (raychat.checkpoint.format.lineage_suffix)
-
-
-@dataclass
-class Worker:
-    """The worker's components, built once by `setup`: what the loop computes with (model, optimizer,
-    loader: see raychat.worker.step.StepComponents) and where its results go (saver, metrics, log)."""
-
-    cfg: TrainConfig
-    plan: Plan
-    rank: int
-    world_size: int
-    device: torch.device
-    tokenizer: Tokenizer
-    index: CorpusIndex
-    tokenizer_dir: str
-    loader: TrainLoader
-    orig_model: torch.nn.Module
-    model: torch.nn.Module  # orig_model, compiled or not
-    optimizer: ShardedOptimizer
-    saver: CheckpointSaver
-    storage_path: str
-    session: str
-    corpus_meta: CorpusRecord  # what made the corpus (source; Hub repo, revision), kept with each checkpoint
-    micro_slices: list[slice]
-    peak_flops: float
-    wandb: WandbLogger | None = None
-    publisher: Publisher | None = None  # where the run's records go out (every rank)
-    trace_dir: str | None = None
-    attempt: str = ""  # one id per start of the group (rank 0's): a trace tells redone steps apart
-    val_rows: torch.Tensor | None = None  # this rank's share of the fixed validation rows, built at first use
-    replicator: Replicator | None = None  # the memory tier's sender (None: --replicate-every -1)
-    # Rank 0: the replica interval at which a peer node held every rank's state at the last save (None:
-    # not all of it), what the storage cadence leans on (Replicator.peer_interval).
-    peer_every: int | None = None
-    compile_cache: CompileCache | None = None  # rank 0 of a compiled run: saved after the first step
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-    def log(self, message: str) -> None:
-        if self.master:
-            log_line(message)
-
-
-def all_gather_objects(obj: Any, world_size: int) -> list[Any]:
-    if world_size == 1:
-        return [obj]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def cpu_threads(usable_cores: int, node_cpus: float | None, local_world_size: int) -> int:
@@ -230,15 +161,15 @@ def _replicator(config: WorkerRunConfig, holders: dict[str, Any], node_of_rank: 
                       saves_every=config.train_config.save_every)
 
 
-def _loader_starter(config: WorkerRunConfig, cfg: TrainConfig, index: CorpusIndex, me: _Rank,
-                    trace_dir: str | None) -> Callable[[CheckpointMeta | None], TrainLoader]:
+def _loader_starter(cfg: TrainConfig, index: CorpusIndex, me: _Rank, record_documents: bool
+                    ) -> Callable[[CheckpointMeta | None], TrainLoader]:
     """Starts this rank's loader on a checkpoint's cursor (None: the start of the corpus)."""
 
     def start(meta: CheckpointMeta | None) -> TrainLoader:
         return TrainLoader(index, cfg.tokenizer_dir, cfg.max_seq_len, me.rank, me.world_size,
                            cursor=meta.cursor if meta else None,
                            shuffle_seed=cfg.shuffle_seed if cfg.shuffle_seed >= 0 else None,
-                           data_tasks=max(1, int(cfg.cpus_per_worker)), record_consumed=bool(trace_dir))
+                           data_tasks=max(1, int(cfg.cpus_per_worker)), record_consumed=record_documents)
 
     return start
 
@@ -255,42 +186,51 @@ def _build_model_and_optimizer(cfg: TrainConfig, plan: Plan, device: torch.devic
     return orig_model, model, optimizer, precision.name
 
 
+@dataclass(frozen=True)
+class AttemptStarted:
+    """What rank 0 learnt from the run's coordinator as this attempt started (other ranks: nothing)."""
+
+    signals: ElasticSignals  # rank 0's line to the coordinator
+    number: int = 0  # how many attempts came before this one
+    # When the attempt before it was noticed to have ended and its last step, for the time ledger
+    # (raychat.telemetry.ledger); None on other ranks and on a first attempt.
+    times: dict[str, float | int | None] = field(default_factory=dict)
+
+
 def _start_attempt(config: WorkerRunConfig, state: LoopState, resumed_from: str | None, me: _Rank
-                   ) -> tuple[ElasticSignals, dict]:
-    """Rank 0 tells the run's coordinator an attempt started, logs why if it is a restart and counts it.
-    Also returns the times the time ledger splits a restart by (raychat.telemetry.ledger)."""
+                   ) -> AttemptStarted:
+    """Rank 0 tells the run's coordinator an attempt started, logs why if it is a restart and counts it."""
     if me.rank != 0:
-        return ElasticSignals(), {}
+        return AttemptStarted(ElasticSignals())
     coordinator = ray.get_actor(coordinator_name(config.session))
-    previous = ray.get(coordinator.start_attempt.remote(state.step, me.world_size))
+    previous = ray.get(coordinator.start_attempt.remote(state.step, me.world_size,
+                                                        config.plan.num_iterations))
     start = describe_attempt(previous, state.step, me.world_size, resumed_from)
     if start.line:
         me.log(start.line)
     state.restarts += start.kind == "failure"
     state.resizes += start.kind == "planned"
     state.redone_steps += start.redone_steps
-    return ElasticSignals(coordinator), {"noticed": previous.noticed, "last_progress": previous.last_progress,
-                                         "last_progress_step": previous.last_step,
-                                         "attempt": previous.attempt}
+    return AttemptStarted(ElasticSignals(coordinator), previous.attempt,
+                          {"noticed": previous.noticed, "last_progress": previous.last_progress,
+                           "last_progress_step": previous.last_step})
 
 
-def _publisher(w: Worker, state: LoopState, run: Storage, precision: str, peak_source: str,
-               resumed_from: str | None, times: dict, carried: list[str]) -> Publisher:
-    """Rank 0's sinks (gauges, wandb, the run's metrics log, which records this attempt's start with
-    the plan, for raychat.report, and the times of its start, for the time ledger); the other ranks
-    only report to Ray Train. `carried`: the records a memory replica brought (what rank 0 held back
-    when it was taken), written before the start."""
-    if not w.master:
-        return Publisher([LogLines(w.log), TrainReport()])
+def _publisher(me: _Rank, cfg: TrainConfig, plan: Plan, run: Storage, fence: Fence, wandb: WandbLogger | None,
+               state: LoopState, start: dict[str, Any], carried: list[str]) -> Publisher:
+    """Rank 0's sinks (gauges, wandb, the run's metrics log, which records this attempt's start:
+    `start`, with the plan, for raychat.report and the time ledger); the other ranks only report to
+    Ray Train. `carried`: the records a memory replica brought (what rank 0 held back when it was
+    taken), written before the start."""
+    if me.rank != 0:
+        return Publisher([LogLines(me.log), TrainReport()])
     # The log's fence check gives up at once on a storage fault: the log retries at its next flush.
-    metrics_log = MetricsLog(run, Fence(run, w.saver.fence.epoch, budget_s=0), carried=carried)
-    publisher = Publisher([LogLines(w.log), RayMetrics(run_name=w.cfg.name), w.wandb, metrics_log,
-                           TrainReport()])
-    publisher.start(metrics_log.earlier,
-                    step=state.step, world_size=w.world_size, restarts=state.restarts, resizes=state.resizes,
-                    redone_steps=state.redone_steps, resumed_from=resumed_from, precision=precision,
-                    device=str(w.device), plan=w.plan.to_json(), config=w.cfg.to_public_dict(),
-                    peak_flops=w.peak_flops, peak_flops_source=peak_source, session=w.session, **times)
+    metrics_log = MetricsLog(run, Fence(run, fence.epoch, budget_s=0), carried=carried)
+    sinks = [LogLines(me.log), RayMetrics(run_name=cfg.name), wandb, metrics_log, TrainReport()]
+    publisher = Publisher(sinks)
+    publisher.start(metrics_log.earlier, step=state.step, world_size=me.world_size, restarts=state.restarts,
+                    resizes=state.resizes, redone_steps=state.redone_steps, plan=plan.to_json(),
+                    config=cfg.to_public_dict(), **start)
     return publisher
 
 
@@ -308,8 +248,17 @@ def _fit_to_device(plan: Plan, cfg: TrainConfig, me: _Rank, use_compile: bool) -
     return plan
 
 
-def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
-    """This rank's components, the loop state to start from and its line to the run's coordinator.
+@dataclass(frozen=True)
+class Attempt:
+    """What the loop runs on for one attempt of the worker group (see the module)."""
+
+    worker: Worker
+    state: LoopState  # the step and counters restored, which the loop advances
+    fault_tolerance: FaultTolerance
+
+
+def setup(config: WorkerRunConfig) -> "Attempt":
+    """This rank's components, the loop state to start from and its fault tolerance.
 
     The resume position comes first: with the cursor known the loader starts now, so Ray Data's
     start-up and the tokenizing of the packer's first documents overlap building and restoring the
@@ -347,7 +296,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
         phases[phase], lap[0] = round(now - lap[0], 3), now
 
     done("prepare")
-    trace_dir = os.environ.get("RAYCHAT_TRACE_DIR")
+    observer = load_observer()
     node_of_rank = me.gather(ray.get_runtime_context().get_node_id())
     earlier_holders, holders = _replica_holders(config, node_of_rank, me)
     done("holders")
@@ -360,7 +309,7 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
         durable_step += 1
     memory = MemoryRestore.agree(earlier_holders, config.lease_epoch, durable_step, plan.model,
                                  me.rank, me.gather, me.log) if earlier_holders else None
-    start_loader = _loader_starter(config, cfg, index, me, trace_dir)
+    start_loader = _loader_starter(cfg, index, me, observer is not None and observer.records_documents)
     loader_meta = memory.meta if memory is not None else restore.meta
     done("choose_replicas")
     loader = start_loader(loader_meta)
@@ -408,8 +357,8 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     else:
         origin = "Starting at step 0 (no checkpoint)"
     done("apply_state")
-    signals, times = _start_attempt(config, state, resumed_label, me)
-    replicator = _replicator(config, holders, node_of_rank, me.gather(times.pop("attempt", 0))[0], me)
+    started = _start_attempt(config, state, resumed_label, me)
+    replicator = _replicator(config, holders, node_of_rank, me.gather(started.number)[0], me)
     done("start_attempt")
 
     slices = micro_slices(rank_rows(plan.rows_per_step, me.world_size, me.rank), plan.device_batch_size)
@@ -417,27 +366,28 @@ def setup(config: WorkerRunConfig) -> tuple[Worker, LoopState, ElasticSignals]:
     if peak_source == "measured":
         gpu = torch.cuda.get_device_name(me.device)
         me.log(f"Peak bf16 FLOPS: {peak:.3e} (measured: {gpu} is not in the table)")
-    master = me.rank == 0
+    saver = CheckpointSaver(run, cfg.keep_checkpoints, me.rank, me.world_size, me.log, parent=restore.meta,
+                            parent_name=resumed_from, fence=fence, suffix=config.checkpoint_suffix)
+    wandb = WandbLogger(cfg.run, config=cfg.to_public_dict(), run_dir=run) if me.rank == 0 else None
+    done("components")
+    # What this attempt's restore read from checkpoint files in storage, all ranks (0 from peer memory).
+    start = dict(started.times, launched=config.launched, setup_started=setup_started, setup_phases=phases,
+                 storage_read_bytes=sum(me.gather(io_count.read)), resumed_from=resumed_label,
+                 precision=precision, device=str(me.device), peak_flops=peak, peak_flops_source=peak_source,
+                 session=config.session)
     worker = Worker(
         cfg=cfg, plan=plan, rank=me.rank, world_size=me.world_size, device=me.device, tokenizer=tokenizer,
         index=index, tokenizer_dir=cfg.tokenizer_dir, loader=loader, orig_model=orig_model,
         model=model, optimizer=optimizer, storage_path=cfg.storage_path, session=config.session,
-        corpus_meta=corpus_record(index),
-        saver=CheckpointSaver(run, cfg.keep_checkpoints, me.rank, me.world_size, me.log, parent=restore.meta,
-                              parent_name=resumed_from, fence=fence, suffix=config.checkpoint_suffix),
-        micro_slices=slices, peak_flops=peak, trace_dir=trace_dir,
-        wandb=WandbLogger(cfg.run, config=cfg.to_public_dict(), run_dir=run) if master else None,
-        attempt=me.gather(f"{time.time():.3f}")[0] if trace_dir else "", replicator=replicator,
-        compile_cache=compile_cache if master else None,
+        corpus_meta=corpus_record(index), saver=saver, micro_slices=slices, peak_flops=peak,
+        publisher=_publisher(me, cfg, plan, run, fence, wandb, state, start, carried), wandb=wandb,
     )
-    # What this attempt's restore read from checkpoint files in storage, all ranks (0 from peer memory).
-    done("components")
-    times.update(launched=config.launched, setup_started=setup_started, setup_phases=phases,
-                 storage_read_bytes=sum(me.gather(io_count.read)))
-    worker.publisher = _publisher(worker, state, run, precision, peak_source, resumed_label, times, carried)
+    attempt_id = me.gather(f"{time.time():.3f}")[0] if observer is not None else ""
+    ft = FaultTolerance(worker, started.signals, replicator, state.step, observer, attempt_id,
+                        compile_cache if me.rank == 0 else None)
     # The attempt's one line (Ray's own narration of it is silenced: raychat.ray_glue.quiet).
     nodes = len(set(node_of_rank))
     me.log(f"{origin}: training to step {plan.num_iterations} at world size {me.world_size} ({me.world_size} "
            f"worker(s) on {nodes} node(s)), {slices[-1].stop} rows/step on rank 0 in micro-batches "
            f"{[s.stop - s.start for s in slices]}, device {me.device}, {precision}")
-    return worker, state, signals
+    return Attempt(worker, state, ft)
