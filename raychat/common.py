@@ -30,6 +30,16 @@ class StorageUnavailable(Exception):
 NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
+def require_extra(module: str, extra: str, needed_for: str) -> None:
+    """Refuse, in one line naming the extra to install, a command whose library is an extra of raychat's
+    (a training node needs neither the report's plotting nor the Hub's client)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise RaychatError(f"{needed_for} needs {module}, which is not installed: "
+                           f"pip install 'raychat[{extra}]'")
+
+
 def check_name(value: str, flag: str) -> str:
     """`value`, if it is a name (of a run, a model, a sweep): letters, digits, `.`, `_`, `-`, never a
     path (no `/`, no `..`), so what it names stays inside the directory it is named in."""

@@ -213,3 +213,22 @@ def test_each_restart_line_shows_the_steps_it_redid_not_those_redone_after_it():
     second_restart = next(line for line in lines if line.startswith("- restart at step 8"))
     assert "4.0s of steps redone" in first_restart, first_restart
     assert "2.0s of steps redone" in second_restart, second_restart
+
+
+def test_the_live_goodput_counts_training_as_the_ledger_does(monkeypatch):
+    """The gauge and Tune's `goodput` (Publisher.goodput) leave a step's data wait and its compile out
+    of the time that advanced training, as the ledger does: 2 s of wall time, one 1 s step of which
+    0.6 s compiled and 0.1 s waited for data, is 15% goodput."""
+    from raychat.telemetry import metrics
+    from raychat.telemetry.metrics import Publisher, StepMetrics
+
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "time", lambda: now[0])
+    publisher = Publisher([])
+    publisher.start([], step=0, session="s", launched=100.0)
+    publisher.step(StepMetrics(step=0, num_iterations=10, loss=3.0, raw_loss=3.0, lrm=1.0, dt=1.0,
+                               tokens_per_sec=1.0, mfu=None, epoch=0, pq=0, rg=0, total_time_s=0.0,
+                               eta_s=None, data_wait_s=0.1, world_size=1, tokens_so_far=1, flops_so_far=1.0,
+                               compile_s=0.6))
+    now[0] = 102.0
+    assert publisher.goodput() == pytest.approx(0.3 / 2.0)

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
-
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -20,7 +18,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 REPO = Path(__file__).resolve().parent.parent
 # Modules only an extra's feature imports: the import is reached only with that feature on.
-EXTRA_ONLY = {"torchao": "fp8"}
+EXTRA_ONLY = {"torchao": "fp8", "huggingface_hub": "hub", "matplotlib": "report"}
 
 
 def _requirement_name(requirement: str) -> str:
@@ -46,6 +44,7 @@ def _imported_modules() -> dict[str, set[str]]:
     return found
 
 
+@pytest.mark.unit
 def test_every_module_raychat_imports_is_a_declared_dependency():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     declared = {_requirement_name(r) for r in project["dependencies"]}
@@ -59,3 +58,50 @@ def test_every_module_raychat_imports_is_a_declared_dependency():
         if not names & wanted:
             missing.append(f"{module} ({', '.join(sorted(names))}; imported by {', '.join(sorted(files))})")
     assert not missing, "imported but not declared in pyproject.toml: " + "; ".join(missing)
+
+
+# A node without the extras: a finder that refuses them, as a Python where they are not installed would.
+WITHOUT_EXTRAS = """
+import importlib.abc, sys
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("matplotlib", "huggingface_hub"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, NotInstalled())
+"""
+
+
+@pytest.mark.integration  # a Python of its own, without the extras
+def test_a_node_without_the_extras_trains_and_is_told_what_to_install(tmp_path):
+    """`pip install .` (no extras) must train: the trainer, its workers' loop, the corpus and the sweep
+    import neither the Hub's client nor matplotlib; the embedded default corpus falls back to the
+    offline sample corpus with a line naming the extra; a report asks for its extra in one line."""
+    import subprocess
+
+    code = WITHOUT_EXTRAS + """
+import importlib.util
+importlib.util.find_spec = lambda name, *a, _find=importlib.util.find_spec: (
+    None if name.split(".")[0] in ("matplotlib", "huggingface_hub") else _find(name, *a))
+import raychat.train, raychat.worker.loop, raychat.run.driver, raychat.corpus.cli, tune.sweep, tune.report
+import raychat.report.__main__
+from raychat.common import RaychatError
+from raychat.corpus.default import prepare_default_corpus
+from raychat.report.document import build_report
+from raychat.storage import Storage
+assert not [m for m in sys.modules if m.split(".")[0] in ("matplotlib", "huggingface_hub")]
+said = []
+assert prepare_default_corpus(sys.argv[1], log=said.append) == "sample"
+print(said[0])
+try:
+    build_report(Storage(sys.argv[1]))
+except RaychatError as e:
+    print(e)
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "RAYCHAT_OFFLINE"}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "corpus")], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    corpus_line, report_line = done.stdout.strip().splitlines()[-2:]
+    assert "huggingface_hub is not installed (pip install 'raychat[hub]'" in corpus_line, corpus_line
+    assert report_line == ("a run's report needs matplotlib, which is not installed: "
+                           "pip install 'raychat[report]'"), report_line

@@ -220,6 +220,12 @@ def test_an_elastic_runs_controller_gets_the_policy_that_grows_when_it_pays():
     assert swapped["scaling_policy"].scaling_config is elastic.scaling_config
     fixed = factory(ScalingConfig(num_workers=2))
     assert grow_when_it_pays({"scaling_policy": fixed}, "session")["scaling_policy"] is fixed
+    # After a veto the autoscaler is asked for the group's size, not Ray's max: no idle nodes held.
+    policy = swapped["scaling_policy"]
+    _require(internals.ElasticScalingPolicy, "_get_num_workers_for_resource_request", "ElasticScalingPolicy")
+    assert policy._get_num_workers_for_resource_request() == 3
+    policy.held_at = 2
+    assert policy._get_num_workers_for_resource_request() == 2
 
 
 @pytest.mark.integration  # a subprocess

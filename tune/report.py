@@ -22,17 +22,19 @@ import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.fs as pafs
 
-from raychat.common import RaychatError, check_name, default_storage_path, run_cli
+from raychat.common import RaychatError, check_name, default_storage_path, require_extra, run_cli
 from raychat.locations import join_uri, normalize_location
 from raychat.report.document import REPORT_FILE, write_run_report
 from raychat.storage import Storage
 from raychat.telemetry.metrics_log import has_log
 from tune.fit import ComputeOptimal, compute_optimal
-from tune.plots import EvalCurve, bpb_vs_flops_figure, iso_flop_figure, save_figure
+
+if TYPE_CHECKING:  # matplotlib is the `report` extra: imported where a plot is drawn
+    from tune.plots import EvalCurve
 
 SWEEP_SPEC_FILE = "raychat_sweep.json"  # written by tune.sweep before Tune starts
 TRAIN_RUNS_DIR = "runs"  # the trials' raychat runs, inside the experiment directory
@@ -250,7 +252,7 @@ def format_compute_optimal(result: ComputeOptimal) -> str:
     return "\n".join(lines)
 
 
-def eval_curves(trials: list[Trial], metric: str = "val_bpb") -> list[EvalCurve]:
+def eval_curves(trials: list[Trial], metric: str = "val_bpb") -> "list[EvalCurve]":
     """(depth, [(FLOPs so far, metric) of each eval]) per trial: what the metric-vs-FLOPs plots draw."""
     return [(t.spec["depth"], [(r["flops_so_far"], r[metric]) for r in t.results
                                if r.get(metric) is not None and r.get("flops_so_far")]) for t in trials]
@@ -258,11 +260,15 @@ def eval_curves(trials: list[Trial], metric: str = "val_bpb") -> list[EvalCurve]
 
 def plot_bpb_vs_flops(trials: list[Trial], path: Path) -> None:
     """Every eval of every trial: val bpb against FLOPs spent so far, one colour per depth."""
+    from tune.plots import bpb_vs_flops_figure, save_figure
+
     save_figure(bpb_vs_flops_figure(eval_curves(trials)), path)
 
 
 def plot_core_vs_flops(trials: list[Trial], path: Path) -> None:
     """The same for nanochat's CORE metric (higher is better), where the trials scored it."""
+    from tune.plots import bpb_vs_flops_figure, save_figure
+
     figure = bpb_vs_flops_figure(eval_curves(trials, "core_metric"), ylabel="CORE metric (centered, mean "
                                  "of the tasks)", title="CORE vs compute")
     save_figure(figure, path)
@@ -271,6 +277,8 @@ def plot_core_vs_flops(trials: list[Trial], path: Path) -> None:
 def plot_iso_flop(points: list[tuple[float, float, float, float]], result: ComputeOptimal,
                   path: Path) -> None:
     """Iso-FLOP valleys with their parabolas, then N_opt and D_opt against compute with the power laws."""
+    from tune.plots import iso_flop_figure, save_figure
+
     save_figure(iso_flop_figure(points, result), path)
 
 
@@ -278,6 +286,7 @@ def write_report(path: str, out: str | Path, log=print) -> list[dict[str, Any]]:
     """Table (printed + trials.csv) and plots of the sweep at `path`, and each trial's own run
     report (raychat.report) under trials/<trial>/, written to `out` (a local directory or a URI:
     the files are made in a temporary directory, then copied there)."""
+    require_extra("matplotlib", "report", "a sweep's report")
     target = Storage.of(out)
     runs = Storage(path).child(TRAIN_RUNS_DIR)
     reports = {}

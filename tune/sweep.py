@@ -28,7 +28,7 @@ import ray.tune as tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
 import raychat
-from raychat.common import RaychatError, check_name, run_cli
+from raychat.common import RaychatError, check_name, require_extra, run_cli
 from raychat.config import TrainConfig, add_config_flags, config_from_args
 from raychat.locations import join_uri
 from raychat.plan import plan_vocab_size
@@ -239,6 +239,7 @@ def check_same_grid(sweep_dir: Storage, trials: list[dict], name: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    require_extra("matplotlib", "report", "a sweep (its report at the end)")  # before hours of trials
     depths = parse_list(args.depths, int, "--depths")
     if args.ratios and args.flops:
         raise RaychatError("--ratios and --flops are two kinds of sweep: pass one of them")

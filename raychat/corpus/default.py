@@ -23,6 +23,9 @@ def prepare_default_corpus(data_dir: str | Path, log: Callable[[str], None] = pr
     endpoint = download.hub_endpoint()
     if os.environ.get("RAYCHAT_OFFLINE", "") not in ("", "0"):
         log(f"corpus: RAYCHAT_OFFLINE is set, writing the offline sample corpus to {data_dir}")
+    elif not download.hub_installed():
+        log("corpus: huggingface_hub is not installed (pip install 'raychat[hub]' to download ClimbMix), "
+            f"writing the offline sample corpus to {data_dir}")
     elif not download.reachable(endpoint):
         log(f"corpus: {endpoint} is not reachable, writing the offline sample corpus to {data_dir} "
             "(set RAYCHAT_OFFLINE=1 to skip this check)")

@@ -1,6 +1,6 @@
 """Fetch ClimbMix shards (karpathy/climbmix-400b-shuffle, the corpus nanochat trains on) from the Hub.
 
-`huggingface_hub.snapshot_download` does the transfer: parallel streams, resume of partial files
+`_hub().snapshot_download` does the transfer: parallel streams, resume of partial files
 (kept under `data_dir/.cache/huggingface/`), retries of dropped connections, a progress bar, the
 size check, `HF_TOKEN`/`hf auth login`, `HF_ENDPOINT` (a mirror), `HF_HUB_OFFLINE` and
 `HF_HUB_DISABLE_PROGRESS_BARS`. The shards land in `data_dir` itself (its `local_dir` mode), not in
@@ -17,22 +17,24 @@ blob id of small ones) and must open as a shard, else it is deleted and fetched 
 
 import functools
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import huggingface_hub
-from huggingface_hub import RepoFile
-from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
-from raychat.common import RaychatError, raychat_home
+from raychat.common import RaychatError, raychat_home, require_extra
 from raychat.corpus.files import corpus_storage
 from raychat.corpus.index import open_shard, read_corpus_meta, shard_filename, write_corpus_meta
 from raychat.locations import is_uri, join_uri, normalize_location, redact
 from raychat.storage import Storage
+
+if TYPE_CHECKING:
+    from huggingface_hub import RepoFile
 
 REPO_ID = "karpathy/climbmix-400b-shuffle"
 REPO_TYPE = "dataset"
@@ -44,9 +46,28 @@ DEFAULT_SHARDS = 8        # what the trainer's embedded default fetches (~800 MB
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
+DEFAULT_ENDPOINT = "https://huggingface.co"  # huggingface_hub's own default, where it is not installed
+
+
+def hub_installed() -> bool:
+    """Whether huggingface_hub (the `hub` extra) is installed: training needs it only to download."""
+    return importlib.util.find_spec("huggingface_hub") is not None
+
+
+def _hub() -> ModuleType:
+    """huggingface_hub, imported when a download needs it: a node that trains from a corpus on disk or
+    in a bucket never does, so the library is an extra (`raychat[hub]`)."""
+    require_extra("huggingface_hub", "hub", f"downloading {REPO_ID}")
+    import huggingface_hub
+    import huggingface_hub.errors
+
+    return huggingface_hub
+
+
 def hub_endpoint() -> str:
     """$HF_ENDPOINT (a mirror, or a test server) read now, else the library's default."""
-    return (os.environ.get("HF_ENDPOINT") or huggingface_hub.constants.ENDPOINT).rstrip("/")
+    default = _hub().constants.ENDPOINT if hub_installed() else DEFAULT_ENDPOINT
+    return (os.environ.get("HF_ENDPOINT") or default).rstrip("/")
 
 
 def _hub_error(e: Exception, endpoint: str) -> RaychatError:
@@ -58,9 +79,10 @@ def _hub_error(e: Exception, endpoint: str) -> RaychatError:
 
 def _hub_call(where: str, call: Callable, /, *args, **kwargs):
     """Run a huggingface_hub call on endpoint `where`; a network or Hub failure becomes one RaychatError."""
+    errors = _hub().errors
     try:
         return call(*args, **kwargs)
-    except (OSError, OfflineModeIsEnabled, HfHubHTTPError) as e:
+    except (OSError, errors.OfflineModeIsEnabled, errors.HfHubHTTPError) as e:
         raise _hub_error(e, where) from e
     except Exception as e:
         # huggingface_hub lets its HTTP client's connection errors through unwrapped; they share no
@@ -75,17 +97,17 @@ def resolve_revision(revision: str, endpoint: str | None = None) -> str:
     if COMMIT.match(revision):
         return revision
     endpoint = endpoint or hub_endpoint()
-    api = huggingface_hub.HfApi(endpoint=endpoint)
+    api = _hub().HfApi(endpoint=endpoint)
     return _hub_call(endpoint, api.dataset_info, REPO_ID, revision=revision).sha
 
 
 def reachable(endpoint: str | None = None, timeout_s: float = 5.0) -> bool:
     """Whether the Hub answers for the dataset within timeout_s."""
     endpoint = endpoint or hub_endpoint()
-    url = huggingface_hub.hf_hub_url(REPO_ID, shard_filename(MAX_SHARD), repo_type=REPO_TYPE,
+    url = _hub().hf_hub_url(REPO_ID, shard_filename(MAX_SHARD), repo_type=REPO_TYPE,
                                      revision=DEFAULT_REVISION, endpoint=endpoint)
     try:
-        _hub_call(endpoint, huggingface_hub.get_hf_file_metadata, url, timeout=timeout_s)
+        _hub_call(endpoint, _hub().get_hf_file_metadata, url, timeout=timeout_s)
     except RaychatError:
         return False
     return True
@@ -99,7 +121,7 @@ def _digest(path: Path, algorithm: str, prefix: bytes = b"") -> str:
     return digest.hexdigest()
 
 
-def _problem(path: Path, published: RepoFile) -> str | None:
+def _problem(path: Path, published: "RepoFile") -> str | None:
     """What is wrong with a downloaded file, compared with what the Hub publishes for it (None: nothing)."""
     if not path.is_file():
         return "missing after the download"
@@ -155,7 +177,7 @@ def download_shards(data_dir: str | Path, num_shards: int, revision: str | None 
     storage.make_dir()
     commit = _pinned_revision(location, revision, endpoint)
     names = [shard_filename(shard) for shard in range(num_shards)] + [shard_filename(MAX_SHARD)]
-    api = huggingface_hub.HfApi(endpoint=endpoint)
+    api = _hub().HfApi(endpoint=endpoint)
     published = {f.path: f for f in _hub_call(endpoint, api.get_paths_info, REPO_ID, names, revision=commit,
                                                 repo_type=REPO_TYPE)}
     if missing := [name for name in names if name not in published]:
@@ -174,13 +196,13 @@ def download_shards(data_dir: str | Path, num_shards: int, revision: str | None 
     return [join_uri(location, name) for name in names]
 
 
-def _fetch_checked(local_dir: Path, names: list[str], commit: str, published: dict[str, RepoFile],
+def _fetch_checked(local_dir: Path, names: list[str], commit: str, published: dict[str, "RepoFile"],
                    workers: int, endpoint: str, log: Callable[[str], None]) -> None:
     """snapshot_download `names` into local_dir, then check each against the Hub; a rejected file is
     deleted and fetched once more."""
     todo = names
     for attempt in (1, 2):
-        _hub_call(endpoint, huggingface_hub.snapshot_download, REPO_ID, repo_type=REPO_TYPE, revision=commit,
+        _hub_call(endpoint, _hub().snapshot_download, REPO_ID, repo_type=REPO_TYPE, revision=commit,
                   allow_patterns=todo, local_dir=local_dir, max_workers=workers, endpoint=endpoint)
         with ThreadPoolExecutor(max_workers=workers) as pool:  # hashing releases the GIL
             problems = dict(zip(todo, pool.map(lambda n: _problem(local_dir / n, published[n]), todo),
@@ -205,7 +227,7 @@ def _staging_dir(location: str) -> Path:
     return raychat_home() / "staging" / key
 
 
-def _fetch_into_bucket(bucket: Storage, names: list[str], published: dict[str, RepoFile],
+def _fetch_into_bucket(bucket: Storage, names: list[str], published: dict[str, "RepoFile"],
                        fetch: Callable[[Path, list[str]], None], workers: int, staging: Path,
                        log: Callable[[str], None]) -> None:
     """Stream the shards through local staging into the bucket, `workers` at a time, so local disk

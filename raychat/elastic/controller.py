@@ -73,12 +73,19 @@ class GrowWhenItPays(ElasticScalingPolicy):
     grows that do not pay: a grow restarts the group, and near the end of a run (or while restarts
     are slow) the steps left would finish sooner at the size the group has. The run's coordinator
     judges (raychat.elastic.coordinator.grow_verdict, from the measured restart cost and step time)
-    and the verdict is said once per sizes; `always` (--grow always) says it and grows anyway.
-    Shrinks, and a grow Ray decides before anything is measured, stand as Ray decides them."""
+    and the verdict is said once; `always` (--grow always) says it and grows anyway. After a veto
+    the policy asks the autoscaler for no more workers than the group has, so nodes it will not use
+    are not held for it. Shrinks, and a grow Ray decides before anything is measured, stand as Ray
+    decides them."""
 
     def __init__(self, scaling_config, session: str, always: bool = False):
         super().__init__(scaling_config)
         self.session, self.always = session, always
+        self.held_at: int | None = None  # the group's size when a grow was vetoed: what is asked for
+
+    def _get_num_workers_for_resource_request(self) -> int:
+        wanted = super()._get_num_workers_for_resource_request()
+        return wanted if self.held_at is None else min(wanted, self.held_at)
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
@@ -88,13 +95,19 @@ class GrowWhenItPays(ElasticScalingPolicy):
         try:
             coordinator = ray.get_actor(coordinator_name(self.session))
             verdict = ray.get(coordinator.grow_verdict.remote(decision.num_workers), timeout=10)
-            if verdict is not None and ray.get(coordinator.say_once.remote((current, decision.num_workers)),
-                                               timeout=10):
-                log_line(verdict.line + (" (--grow always: growing)" if self.always and not verdict.pays
-                                         else ""))
         except (ValueError, ray.exceptions.RayError):  # no verdict to be had: Ray's decision stands
             return decision
-        return decision if verdict is None or verdict.pays or self.always else NoopDecision()
+        if verdict is None:
+            return decision
+        grow = verdict.pays or self.always
+        with contextlib.suppress(ray.exceptions.RayError):  # the line is said at most once, or not at all
+            key = (current, decision.num_workers, verdict.pays)
+            if ray.get(coordinator.say_once.remote(key), timeout=10):
+                log_line(verdict.line + (" (--grow always: growing)" if grow and not verdict.pays else ""))
+        if grow:
+            return decision
+        self.held_at = current
+        return NoopDecision()
 
 
 def grow_when_it_pays(controller_kwargs: dict, session: str, always: bool = False) -> dict:

@@ -96,13 +96,17 @@ class Coordinator:
         self.last_progress: float | None = None  # when the current attempt last finished a step
         self.noticed: float | None = None  # when the controller last began a restart or resize
         self.attempts = 0
-        self.created = time.time()  # about when the driver launched: the first attempt's start-up from here
         self.total_steps: int | None = None  # the run's last step + 1
-        self.step_s: deque[float] = deque(maxlen=RECENT_STEPS)  # the current attempt's recent steps
-        self.restart_from: float | None = None  # when the attempt before the current one last trained
-        self.restart_s: float | None = None  # what the latest restart cost (None: none measured yet)
-        self.startup_s: float | None = None  # the first attempt's launch to its first step: the estimate
-        self.said_grow: set[tuple[int, int]] = set()  # the verdicts said, by (from, to) size
+        self.start_step = 0  # the step the current attempt started at
+        # Recent steps as worker-seconds (seconds x world size), each attempt's first step left out
+        # (compile, warm-up): a step's time at any size, as the verdict assumes steps scale.
+        self.step_work: deque[float] = deque(maxlen=RECENT_STEPS)
+        self.began: float | None = None  # when the current attempt's start began costing (see start_attempt)
+        self.began_kind = "first"  # what that start was: "first", "planned" or "failure"
+        # What each kind of start cost, the latest of each: from `began` to the end of the attempt's
+        # first step, less the evaluations and saves before it (None: none measured yet)
+        self.start_s: dict[str, float] = {}
+        self.said_grow: set[tuple[int, int, bool]] = set()  # the verdicts said, by (from, to, pays)
         self.final: FinalResult | None = None
         self.holders: dict[str, ray.actor.ActorHandle] = {}  # by node id (raychat.elastic.holders)
 
@@ -127,36 +131,36 @@ class Coordinator:
     def preemption_saved(self, step: int) -> None:
         self.notice_step = step
 
-    def progress(self, step: int, step_s: float | None = None) -> bool:
-        """Rank 0 finished `step` in `step_s` seconds (what a restart redoes, and what a grow is judged
-        by); the reply says whether a planned resize asked for a save, so the one call per step
-        serves both. An attempt's first step closes the measurement of what its start cost."""
+    def progress(self, step: int, step_s: float | None = None, outside_s: float = 0.0) -> bool:
+        """Rank 0 finished `step` in `step_s` seconds, `outside_s` seconds of evaluations and saves
+        having passed in this attempt so far (what a restart redoes, and what a grow is judged by);
+        the reply says whether a planned resize asked for a save, so the one call per step serves
+        both. An attempt's first step closes the measurement of what its start cost."""
         now = time.time()
-        if self.last_step is None:  # the attempt's first step: it trained, the rest of the wait did not
-            began = self.restart_from if self.restart_from is not None else self.created
-            cost = max(0.0, now - began - (step_s or 0.0))
-            if self.restart_from is not None:
-                self.restart_s = cost
-            elif self.attempts == 1:
-                self.startup_s = cost
-        elif step_s is not None:  # the first step compiles and warms up: no step time to plan with
-            self.step_s.append(step_s)
+        if self.last_step is None:  # the attempt's first step: compile and warm-up are the start's
+            if self.began is not None:
+                self.start_s[self.began_kind] = max(0.0, now - self.began - outside_s)
+        elif step_s is not None and self.world_size:
+            self.step_work.append(step_s * self.world_size)
         self.last_step, self.last_progress = step, now
         return self.poll_request()
 
     def grow_verdict(self, to_workers: int) -> GrowVerdict | None:
-        """Whether growing the current group to `to_workers` pays (`grow_verdict`), from the latest
-        restart's cost (before any: the run's start-up) and the recent steps. None while nothing is
-        measured yet (Ray's decision stands)."""
-        cost = self.restart_s if self.restart_s is not None else self.startup_s
-        if (cost is None or not self.step_s or self.world_size is None or self.total_steps is None
-                or self.last_step is None):
+        """Whether growing the current group to `to_workers` pays (`grow_verdict`). The cost is what a
+        planned resize cost this run, else a restart after a failure (from the controller noticing
+        it: a grow waits for no detection), else the first attempt's own start (from its workers'
+        setup: no wait for resources), less the one step it trained. None while nothing is measured
+        yet (Ray's decision stands)."""
+        cost = next((self.start_s[k] for k in ("planned", "failure", "first") if k in self.start_s), None)
+        if cost is None or not self.step_work or not self.world_size or self.total_steps is None:
             return None
-        return grow_verdict(self.world_size, to_workers, self.total_steps - self.last_step - 1,
-                            statistics.median(self.step_s), cost)
+        step_s = statistics.median(self.step_work) / self.world_size
+        next_step = self.last_step + 1 if self.last_step is not None else self.start_step
+        return grow_verdict(self.world_size, to_workers, self.total_steps - next_step, step_s,
+                            max(0.0, cost - step_s))
 
-    def say_once(self, key: tuple[int, int]) -> bool:
-        """True the first time a verdict for this (from, to) pair is to be said in this attempt."""
+    def say_once(self, key: tuple[int, int, bool]) -> bool:
+        """True the first time a verdict (from, to, pays) is to be said in this attempt."""
         if key in self.said_grow:
             return False
         self.said_grow.add(key)
@@ -182,16 +186,21 @@ class Coordinator:
         created here, so they end with this actor (the driver's run), not with a worker or its node."""
         return dict(start_holders(self.holders, node_ids))
 
-    def start_attempt(self, step: int, world_size: int, total_steps: int | None = None) -> Attempt:
-        """Called by rank 0 of each new attempt: what the previous attempt did."""
+    def start_attempt(self, step: int, world_size: int, total_steps: int | None = None,
+                      setup_started: float | None = None) -> Attempt:
+        """Called by rank 0 of each new attempt: what the previous attempt did. `setup_started`: when
+        this attempt's workers began their setup."""
         previous = Attempt(attempt=self.attempts, last_step=self.last_step, world_size=self.world_size,
                            planned_step=self.saved_step, notice_step=self.notice_step,
                            last_progress=self.last_progress, noticed=self.noticed)
-        if self.attempts:  # a restart: what it cost is measured up to this attempt's first step
-            self.restart_from = self.last_progress or self.noticed
+        if self.attempts:  # a restart costs from the controller's notice (else the old group's last step)
+            self.began = self.noticed or self.last_progress
+            self.began_kind = "planned" if self.saved_step is not None else "failure"
+        else:  # the first start, from its workers' setup: not the driver's wait for resources
+            self.began, self.began_kind = setup_started, "first"
         self.attempts += 1
+        self.start_step = step
         self.total_steps = total_steps if total_steps is not None else self.total_steps
-        self.step_s.clear()
         self.said_grow.clear()
         self.last_step, self.world_size, self.saved_step, self.notice_step = None, world_size, None, None
         self.last_progress = self.noticed = None

@@ -134,14 +134,14 @@ class ElasticSignals:
         self.replicate_due = summed.replicate > 0 and not self.any_sending
         self.replicate_skipped = summed.replicate > 0 and self.any_sending
 
-    def progress(self, step: int) -> None:
-        """Rank 0, after each step: tell the coordinator the step and its time (fire and forget: what
-        a restart redoes, and what a grow is judged by). Its reply carries the planned-resize flag
-        `_poll_resize` reads; while an older reply is unread it stays the one read, so replies slower
-        than a step still get through."""
+    def progress(self, step: int, outside_s: float = 0.0) -> None:
+        """Rank 0, after each step: tell the coordinator the step, its time and the attempt's seconds
+        of evaluations and saves so far (fire and forget: what a restart redoes, and what a grow is
+        judged by). Its reply carries the planned-resize flag `_poll_resize` reads; while an older
+        reply is unread it stays the one read, so replies slower than a step still get through."""
         if self.coordinator is None:
             return
-        reply = self.coordinator.progress.remote(step, self.step_s)
+        reply = self.coordinator.progress.remote(step, self.step_s, outside_s)
         if self.save_request is None:
             self.save_request = reply
 

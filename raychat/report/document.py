@@ -8,13 +8,11 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from matplotlib.figure import Figure
-
-from raychat.common import RaychatError
+from raychat.common import RaychatError, require_extra
 from raychat.locations import join_uri
 from raychat.report.findings import findings
-from raychat.report.plots import loss_figure, lr_figure, save_figure, throughput_figure, time_figure
 from raychat.report.summary import (
     Facts,
     eval_table,
@@ -28,6 +26,9 @@ from raychat.report.summary import (
 from raychat.storage import Location, Storage
 from raychat.telemetry.metrics_log import METRICS_FILE, Timeline, read_timeline
 
+if TYPE_CHECKING:  # matplotlib is the `report` extra: imported where a report is drawn
+    from matplotlib.figure import Figure
+
 REPORT_FILE = "report.md"
 REPORT_DIR = "report"  # the default --out: <storage>/<run>/report
 
@@ -40,7 +41,7 @@ class RunReport:
     facts: Facts
     timeline: Timeline
     findings: list[str]
-    figures: dict[str, Figure]
+    figures: "dict[str, Figure]"
 
     def sections(self) -> list[tuple[str, list[str]]]:
         f, t = self.facts, self.timeline
@@ -60,6 +61,9 @@ class RunReport:
 
 def build_report(run: Storage) -> RunReport:
     """The report of the run at `run`, or a RaychatError saying why there is none (yet)."""
+    require_extra("matplotlib", "report", "a run's report")
+    from raychat.report.plots import loss_figure, lr_figure, throughput_figure, time_figure
+
     try:
         with run.read_faults_as_errors():
             timeline = read_timeline(run)
@@ -84,6 +88,8 @@ def build_report(run: Storage) -> RunReport:
 def write_run_report(run: Storage, out: Location, log: Callable[[str], None] = print) -> RunReport:
     """Write report.md and the PNGs of the run at `run` into `out` (a directory or a URI)."""
     report = build_report(run)
+    from raychat.report.plots import save_figure
+
     target = Storage.of(out)
     with tempfile.TemporaryDirectory(prefix="raychat-report-") as tmp:
         files = {REPORT_FILE: report.markdown().encode()}

@@ -7,26 +7,18 @@ every step axis, so a jump in a curve can be matched to the event that caused it
 stacks the run's wall time by cause, per attempt.
 """
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
+from raychat.report.summary import Marker
 from raychat.telemetry.ledger import CAUSES, Ledger
 from raychat.telemetry.metrics_log import Timeline
 
 DPI = 120
 MARKER_COLOURS = {"restart": "red", "resize": "orange", "resume": "grey"}
-
-
-@dataclass(frozen=True)
-class Marker:
-    """An attempt that began after the first: at which step, and why (restart, resize or resume)."""
-
-    step: int
-    kind: str
 
 
 def major_labels_only(ax: Axes) -> None:

@@ -10,7 +10,6 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from raychat.report.plots import Marker
 from raychat.telemetry.metrics import UNTIMED_STEPS
 from raychat.telemetry.metrics_log import Timeline
 
@@ -18,6 +17,14 @@ CHINCHILLA_RATIO = 20.0  # compute-optimal tokens per parameter (Hoffmann et al.
 IMPROVING = 0.005  # val bpb still falling by more than 0.5% per eval: the run has not converged
 SPIKE = 1.25  # a step's loss above 1.25x the median of the 10 before it is a spike
 DATA_BOUND = 0.10  # steps waiting more than 10% of their time for data: the feed holds training back
+
+
+@dataclass(frozen=True)
+class Marker:
+    """An attempt that began after the first: at which step, and why (restart, resize or resume)."""
+
+    step: int
+    kind: str
 
 
 @dataclass

@@ -187,10 +187,11 @@ class RaychatTrainer(TorchTrainer):
 
     def _initialize_and_run_controller(self, **controller_kwargs) -> Result:
         """An elastic run grows only when that pays (raychat.elastic.controller.GrowWhenItPays)."""
-        config = WorkerRunConfig.from_dict(self.train_loop_config, where="train_loop_config")
-        always = config.train_config.grow == "always"
-        return super()._initialize_and_run_controller(**grow_when_it_pays(controller_kwargs, config.session,
-                                                                          always))
+        if self.scaling_config.elasticity_enabled:  # (bench.gpu's process-group check runs a plain function)
+            config = WorkerRunConfig.from_dict(self.train_loop_config, where="train_loop_config")
+            controller_kwargs = grow_when_it_pays(controller_kwargs, config.session,
+                                                  always=config.train_config.grow == "always")
+        return super()._initialize_and_run_controller(**controller_kwargs)
 
 
 def build_trainer(run: PreparedRun, *, callbacks: list | None = None,

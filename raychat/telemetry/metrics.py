@@ -227,7 +227,7 @@ class Publisher:
 
     def step(self, m: StepMetrics) -> None:
         self.last = m
-        self._advanced_s += m.dt - m.data_wait_s
+        self._advanced_s += m.dt - m.data_wait_s - m.compile_s  # as the ledger counts training
         self._publish(StepDone(m, self.goodput(), self._so_far()))
 
     def eval(self, step: int, val_bpb: float, total_training_time: float) -> None:

@@ -119,8 +119,8 @@ class FaultTolerance:
         save the writer finished meanwhile teaches the cadence how long writes take."""
         if self.w.saver.poll() is not None and self.cadence is not None:
             self.cadence.save_written(self.w.saver.writer.write_seconds, replica_every=self.peer_every)
-        every = self.w.cfg.save_every
-        due = self.signals.checkpoint_due if every == 0 else step % every == 0
+        every = self.w.cfg.save_every  # N, 0 (auto) or -1 (only at the end)
+        due = self.signals.checkpoint_due if every == 0 else every > 0 and step % every == 0
         return last_step or (step != self.first_step and due)
 
     def save(self, state: LoopState, wait: bool) -> bool:
@@ -162,14 +162,15 @@ class FaultTolerance:
             w, replicator = self.w, self.replicator
             self.observer.step_done(StepSeen(
                 attempt=self.attempt_id, step=state.step, rank=w.rank, world_size=w.world_size,
-                documents=[list(i) for i in w.loader.consumed_doc_ids()],
+                documents=([list(i) for i in w.loader.consumed_doc_ids()]
+                           if self.observer.records_documents else []),
                 replica=replicator.held_step if replicator is not None else None,
                 sent=replicator.sent_step if replicator is not None else None))
 
     def step_logged(self, state: LoopState) -> None:
         """Rank 0 tells the coordinator the step is done (what a restart redoes); after the attempt's
         first compiled step the compile cache is kept, so a restart compiles nothing."""
-        self.signals.progress(state.step)
+        self.signals.progress(state.step, outside_s=sum(self.w.publisher.seconds_so_far.values()))
         if state.step == self.first_step and self.compile_cache is not None:
             self.compile_cache.save()
 

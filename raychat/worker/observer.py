@@ -37,14 +37,18 @@ class StepObserver(Protocol):
 
 
 def load_observer() -> StepObserver | None:
-    """The observer $RAYCHAT_STEP_OBSERVER names, made for this worker; None when it is not set."""
+    """The observer $RAYCHAT_STEP_OBSERVER names, made for this worker; None when it is not set. A
+    value that names no working observer is one RaychatError line: no retry of the attempt mends it."""
     spec = os.environ.get(OBSERVER_ENV, "")
     if not spec:
         return None
     module_name, _, factory_name = spec.partition(":")
     try:
-        factory = getattr(importlib.import_module(module_name), factory_name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise RaychatError(f"{OBSERVER_ENV}={spec!r} names no importable factory ({e}): set it to "
-                           "module:callable, or unset it") from e
-    return factory()
+        observer = getattr(importlib.import_module(module_name), factory_name)()
+        if not isinstance(observer.records_documents, bool) or not callable(observer.step_done):
+            raise TypeError("not a StepObserver")
+        return observer
+    except Exception as e:  # noqa: BLE001 -- whatever the named code raises, the fix is the variable's
+        raise RaychatError(f"{OBSERVER_ENV}={spec!r} names no working step observer ({type(e).__name__}): "
+                           "set it to module:factory of an object with records_documents and "
+                           "step_done(seen), or unset it") from None

@@ -197,14 +197,14 @@ class AttemptStarted:
     times: dict[str, float | int | None] = field(default_factory=dict)
 
 
-def _start_attempt(config: WorkerRunConfig, state: LoopState, resumed_from: str | None, me: _Rank
-                   ) -> AttemptStarted:
+def _start_attempt(config: WorkerRunConfig, state: LoopState, resumed_from: str | None, me: _Rank,
+                   setup_started: float) -> AttemptStarted:
     """Rank 0 tells the run's coordinator an attempt started, logs why if it is a restart and counts it."""
     if me.rank != 0:
         return AttemptStarted(ElasticSignals())
     coordinator = ray.get_actor(coordinator_name(config.session))
-    previous = ray.get(coordinator.start_attempt.remote(state.step, me.world_size,
-                                                        config.plan.num_iterations))
+    previous = ray.get(coordinator.start_attempt.remote(state.step, me.world_size, config.plan.num_iterations,
+                                                        setup_started))
     start = describe_attempt(previous, state.step, me.world_size, resumed_from)
     if start.line:
         me.log(start.line)
@@ -357,7 +357,7 @@ def setup(config: WorkerRunConfig) -> "Attempt":
     else:
         origin = "Starting at step 0 (no checkpoint)"
     done("apply_state")
-    started = _start_attempt(config, state, resumed_label, me)
+    started = _start_attempt(config, state, resumed_label, me, setup_started)
     replicator = _replicator(config, holders, node_of_rank, me.gather(started.number)[0], me)
     done("start_attempt")
 
