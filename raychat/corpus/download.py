@@ -59,6 +59,7 @@ def _hub() -> ModuleType:
     in a bucket never does, so the library is an extra (`raychat[hub]`)."""
     require_extra("huggingface_hub", "hub", f"downloading {REPO_ID}")
     import huggingface_hub
+    import huggingface_hub.constants  # submodules: the package's lazy attributes do not include them
     import huggingface_hub.errors
 
     return huggingface_hub
