@@ -102,13 +102,14 @@ def is_transient(error: BaseException) -> bool:
     return False
 
 
-_MISSING_TEXT = re.compile(r"resource_not_found|nosuchkey|no such key|http (status|response code):? 404",
+_MISSING_TEXT = re.compile(r"resource_not_found|no[ _]?such[ _]?key|http (status|response code):? 404",
                            re.IGNORECASE)
 
 
 def is_missing(error: BaseException) -> bool:
     """Whether `error` says the file is not there: FileNotFoundError, or what an S3 client raises
-    when an object disappears between opening it and reading it (GetObject's RESOURCE_NOT_FOUND)."""
+    when an object disappears between opening it and reading it (GetObject's RESOURCE_NOT_FOUND, or
+    NO_SUCH_KEY when the read's own request finds it gone)."""
     return isinstance(error, FileNotFoundError) or (
         isinstance(error, OSError) and bool(_MISSING_TEXT.search(_QUOTED.sub("''", str(error)))))
 

@@ -359,10 +359,16 @@ def test_words_in_keys_do_not_classify_and_an_expired_token_is_ridden_out():
 
 @pytest.mark.unit
 def test_an_object_gone_between_open_and_read_is_missing_not_transient():
-    """What pyarrow raises when a shard is deleted after it was opened: GetObject's RESOURCE_NOT_FOUND."""
+    """What pyarrow raises when a shard is deleted after it was opened: GetObject's RESOURCE_NOT_FOUND or
+    NO_SUCH_KEY."""
     gone = OSError("When reading 's3://b/c/shard_00005.parquet': AWS Error RESOURCE_NOT_FOUND during "
                    "GetObject operation:")
     assert is_missing(gone) and not is_transient(gone)
+    # the same deletion met by the row group's own GetObject (once seen in the suite, a shard
+    # deleted mid-run then read as damaged)
+    gone_at_read = OSError("AWS Error NO_SUCH_KEY during GetObject operation: The specified key does not "
+                           "exist. (Request ID: 2QfMWti2zlUDobLSee4egMiwr37SI2JeGh1pHCOU24JByiFzfkZS)")
+    assert is_missing(gone_at_read) and not is_transient(gone_at_read)
     assert not is_missing(OSError("When reading 'runs/no_such_key_here/x': AWS Error SLOW_DOWN"))
 
 
