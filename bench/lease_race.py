@@ -1,11 +1,12 @@
 """Drivers racing for one run: how many trials, how many ended with more than one writer (target 0).
 
-    python -m bench.lease_race --trials 50                  # local disk and moto's S3, 2-4 drivers each
+    python -m bench.lease_race --trials 50                  # local disk, moto's S3, the GCS emulator
     python -m bench.lease_race --trials 20 --storage s3 --json
 
-Each trial starts 2-4 drivers (seeded) on a fresh run at one moment. On S3 every other driver talks
-to the bucket through the fault proxy (testkit.s3_fault_proxy), its lease writes delayed by a seeded
-0-1.5 s: the old write-sleep-reread lease let both drivers in once one PUT was 1.3 s slower. A trial
+Each trial starts 2-4 drivers (seeded) on a fresh run at one moment. In a bucket every other driver
+talks to it through the fault proxy (testkit.fault_proxy), its lease writes (S3: PUTs with
+If-None-Match; GCS: uploads with ifGenerationMatch) delayed by a seeded 0-1.5 s: the old
+write-sleep-reread lease let both drivers in once one PUT was 1.3 s slower. A trial
 counts a double writer when more than one driver believes it holds the run, or when more than one
 lease epoch was created.
 """
@@ -37,17 +38,21 @@ def run_trials(kind: str, trials: int, seed: int) -> dict:
             double += outcomes.count("won") != 1 or len(fence.epochs(run)) != 1
             refused += len(outcomes) - outcomes.count("won")
     else:
-        from testkit.s3_fault_proxy import S3FaultProxy
+        from testkit.fault_proxy import FaultProxy
+        from testkit.gcs_server import start_gcs
         from testkit.s3_server import start_moto
 
-        server, endpoint = start_moto(BUCKET)
+        server, endpoint = (start_moto if kind == "s3" else start_gcs)(BUCKET)
+        # GCS's upload names its object in the body: the precondition marks the lease's creates.
+        method, match = ("PUT", "/lease/") if kind == "s3" else ("POST", "ifGenerationMatch=0")
+        query = "?endpoint_override={}&scheme=http" + ("&anonymous=true" if kind == "gcs" else "")
+        scheme = "s3" if kind == "s3" else "gs"
         try:
-            with S3FaultProxy(endpoint, seed=seed) as proxy:
+            with FaultProxy(endpoint, seed=seed, api=kind) as proxy:
                 for trial in range(trials):
-                    prefix = f"run{trial}?endpoint_override={{}}&scheme=http"
-                    direct = Storage(f"s3://{BUCKET}/" + prefix.format(endpoint))
-                    slowed = Storage(f"s3://{BUCKET}/" + prefix.format(proxy.address))
-                    delay = proxy.inject("delay", method="PUT", match="/lease/", delay_s=rng.uniform(0, 1.5))
+                    direct = Storage(f"{scheme}://{BUCKET}/run{trial}" + query.format(endpoint))
+                    slowed = Storage(f"{scheme}://{BUCKET}/run{trial}" + query.format(proxy.address))
+                    delay = proxy.inject("delay", method=method, match=match, delay_s=rng.uniform(0, 1.5))
                     outcomes = race([direct if i % 2 == 0 else slowed for i in range(rng.randint(2, 4))], rng)
                     delay.ended.set()
                     double += outcomes.count("won") != 1 or len(fence.epochs(direct)) != 1
@@ -62,12 +67,13 @@ def run_trials(kind: str, trials: int, seed: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.lease_race", description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=50, help="races per storage kind (default 50)")
-    parser.add_argument("--storage", choices=["local", "s3", "both"], default="both",
-                        help="local disk, moto's S3 behind the fault proxy, or both (default)")
+    parser.add_argument("--storage", choices=["local", "s3", "gcs", "all"], default="all",
+                        help="local disk, moto's S3 or the GCS emulator (each bucket behind the fault "
+                             "proxy), or all three (default)")
     parser.add_argument("--seed", type=int, default=0, help="seed of driver counts, jitter and delays")
     parser.add_argument("--json", action="store_true", help="print one JSON object per storage kind")
     args = parser.parse_args(argv)
-    kinds = ["local", "s3"] if args.storage == "both" else [args.storage]
+    kinds = ["local", "s3", "gcs"] if args.storage == "all" else [args.storage]
     for kind in kinds:
         result = run_trials(kind, args.trials, args.seed)
         if args.json:

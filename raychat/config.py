@@ -152,7 +152,7 @@ class TrainConfig(Record):
                                          "Ray then restarts (Ray Train's TorchConfig timeout_s; its default)",
                                          "ray")
     storage_path: str = _flag("", "where runs and checkpoints live: a local path or a URI such as "
-                              "s3://bucket/runs (default $RAYCHAT_HOME/runs)", "ray")
+                              "s3://bucket/runs or gs://bucket/runs (default $RAYCHAT_HOME/runs)", "ray")
     run_name: str = _flag("", "run directory under storage-path; re-running a name resumes it "
                           "(default: the model tag)", "ray")
     keep_checkpoints: int = _flag(3, "how many recent checkpoints to keep", "ray")

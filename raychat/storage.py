@@ -2,7 +2,7 @@
 
 Ray Train reads and writes its storage through `pyarrow.fs`, so raychat does too, everywhere: the
 driver, the workers, `raychat.sample` and the sweeps. A location is a local path or a URI
-(`s3://bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http`, `gs://...`, `abfs://...`); its
+(`s3://bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http`, `gs://bucket/runs`, `abfs://...`); its
 query parameters configure the filesystem and must stay at the end, so a child is joined onto the
 URI's path, never appended after its `?query` and never through `pathlib` (which folds `s3://` to
 `s3:/`).
@@ -16,8 +16,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from types import ModuleType
 from typing import BinaryIO, TypeVar
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -27,6 +28,7 @@ from raychat.locations import (
     join_uri,
     normalize_location,
 )
+from raychat.stores import bucket_api, gcs
 
 T = TypeVar("T")
 FileInfo = pafs.FileInfo  # what listings return: base_name, path, size, type
@@ -37,7 +39,9 @@ class Storage:
 
     def __init__(self, location: str, filesystem: pafs.FileSystem | None = None, root: str | None = None):
         self.location = normalize_location(location)
-        if filesystem is None:
+        if filesystem is None and self._scheme == "gs":
+            filesystem, root = gcs.filesystem(self.location)  # pyarrow's parsing knows no anonymous=true
+        elif filesystem is None:
             try:
                 filesystem, root = pafs.FileSystem.from_uri(self.location.unredacted())
             except (pa.ArrowException, OSError, ValueError) as e:
@@ -75,6 +79,20 @@ class Storage:
         return isinstance(self.fs, pafs.LocalFileSystem)
 
     @property
+    def _scheme(self) -> str:
+        return urlsplit(self.location).scheme
+
+    @property
+    def _bucket_api(self) -> ModuleType | None:
+        """The requests pyarrow lacks, for an S3 or GCS bucket (raychat.stores); None elsewhere."""
+        return None if self._local else bucket_api(self.location)
+
+    @property
+    def creates_exclusively(self) -> bool:
+        """Whether `create_exclusive` can work here: local disk, NFS, S3 and GCS."""
+        return self._local or self._bucket_api is not None
+
+    @property
     def appends_in_place(self) -> bool:
         """Whether `open_append` adds to a file where it is (local disk, NFS) or rewrites it whole (an
         object store cannot append): a writer batches its appends where each costs a whole upload."""
@@ -103,6 +121,8 @@ class Storage:
 
     def entries(self) -> list[pafs.FileInfo]:
         """Entries directly below this directory (none when it does not exist)."""
+        if self._scheme == "gs":
+            return gcs.entries(self.location, self.root)  # pyarrow's: no directory without a marker
         try:
             return self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
         except FileNotFoundError:
@@ -130,30 +150,18 @@ class Storage:
         its size, then a ranged GET: a replacement between the two came back as the old size's prefix
         of the new object (a heartbeat's beat 9 -> 10 cut a lease record's closing brace) or the new
         one padded with NULs. On S3 this is one GET without a range, which returns one version whole;
-        on other stores the size is asked again after the read and the read repeated until they agree
-        (a ConnectionError, retried as a storage fault, if they never do)."""
+        on GCS one GET of the live generation; on other stores the size is asked again after the read
+        and the read repeated until they agree (a ConnectionError, retried as a storage fault, if they
+        never do)."""
         if self._local:
             return self.read_bytes(name)
-        if urlsplit(self.location).scheme == "s3":
-            return self._s3_get(name)
+        if (api := self._bucket_api) is not None:
+            return api.read_whole(self.location, self.path(name), str(self.child(name)))
         for _ in range(tries):
             data = self.read_bytes(name)
             if self.fs.get_file_info(self.path(name)).size == len(data):
                 return data
         raise ConnectionError(f"reading {self.child(name)}: it was replaced during each of {tries} reads")
-
-    def _s3_get(self, name: str) -> bytes:
-        """One whole GET of `name` (boto3: pyarrow's reads are ranged); a missing key is
-        FileNotFoundError, other faults as `_s3_fault` sorts them."""
-        bucket, key = self._bucket_key(name)
-        try:
-            return self._s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
-        except botocore_errors().ClientError as e:
-            if _s3_code(e) in ("NoSuchKey", "404") or _s3_status(e) == 404:
-                raise FileNotFoundError(f"reading {self.child(name)}: not found") from None
-            raise _s3_fault(e, f"reading {self.child(name)}") from None
-        except botocore_errors().BotoCoreError as e:
-            raise _s3_fault(e, f"reading {self.child(name)}") from None
 
     @contextmanager
     def read_faults_as_errors(self, flag: str = "--storage-path") -> Iterator[None]:
@@ -163,7 +171,7 @@ class Storage:
         try:
             yield
         except (OSError, pa.ArrowException) as e:
-            reason = self.location.scrub(_storage_reason(e, access="read"))
+            reason = self.location.scrub(_storage_reason(e, "read", self._scheme))
             raise RaychatError(f"{flag} {self} cannot be read: {reason}") from None
 
     @contextmanager
@@ -187,13 +195,17 @@ class Storage:
             f.write(data)
 
     def make_dir(self) -> None:
-        # Object stores have no directories; creating the bucket's prefix is a no-op there.
-        self.fs.create_dir(self.root, recursive=True)
+        # Object stores have no directories. On GCS pyarrow would write a marker object per level,
+        # after two metadata requests each, before every write: raychat lists by prefix instead.
+        if self._scheme != "gs":
+            self.fs.create_dir(self.root, recursive=True)
 
     def delete(self, name: str = "") -> None:
         """Delete a file, or this directory with everything below it; gone already is fine."""
         info = self.info(name)
-        if info.type == pafs.FileType.Directory:
+        if info.type == pafs.FileType.Directory and self._scheme == "gs":
+            gcs.delete_tree(self.location, self.path(name))
+        elif info.type == pafs.FileType.Directory:
             self.fs.delete_dir(self.path(name))
         elif info.type != pafs.FileType.NotFound:
             self.fs.delete_file(self.path(name))
@@ -205,8 +217,8 @@ class Storage:
 
         Local disk and NFS: the data goes to a private temporary file, then `link` publishes it
         under `name`, which fails if `name` exists (atomic on POSIX and NFSv3+, like O_EXCL). S3: a
-        PUT with `If-None-Match: *` (AWS S3 since 2024, MinIO, moto 5.2). Other stores are refused:
-        a lease that rests on timing is not a lease."""
+        PUT with `If-None-Match: *`; GCS: an upload with `ifGenerationMatch=0` (raychat.stores).
+        Other stores are refused: a lease that rests on timing is not a lease."""
         if self._local:
             self.make_dir()
             tmp = self.path(f".{name}.{uuid.uuid4().hex}.tmp")
@@ -228,16 +240,9 @@ class Storage:
                     "(s3://...) or a local disk or NFS path") from None
             finally:
                 os.unlink(tmp)
-        bucket, key = self._bucket_key(name)
-        try:
-            self._s3_client().put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-            return True
-        except botocore_errors().ClientError as e:
-            if _s3_code(e) in ("PreconditionFailed", "412"):
-                return False
-            raise _s3_fault(e, f"creating {self.child(name)}") from None  # never "created" nor "taken"
-        except botocore_errors().BotoCoreError as e:
-            raise _s3_fault(e, f"creating {self.child(name)}") from None
+        if (api := self._bucket_api) is None:
+            raise RaychatError(f"{self}: {_NO_ATOMIC_CREATE}")
+        return api.create_exclusive(self.location, self.path(name), data, str(self.child(name)))
 
     def replace_atomically(self, name: str, data: bytes) -> None:
         """Overwrite `name` with `data` so that a reader (`read_replaceable`) sees the old or the new
@@ -287,50 +292,11 @@ class Storage:
         existing = self.read_bytes(name) if self.exists(name) else b""
         return existing, AppendFile(self, name, existing)
 
-    def _bucket_key(self, name: str) -> tuple[str, str]:
-        if urlsplit(self.location).scheme != "s3":
-            raise RaychatError(f"{self}: {_NO_ATOMIC_CREATE}")
-        bucket, _, prefix = self.path(name).lstrip("/").partition("/")
-        return bucket, prefix
-
-    def _endpoint_override(self) -> tuple[str, int] | None:
-        """The host and port of the endpoint an s3:// location names in its query, if it names one."""
-        if urlsplit(self.location).scheme != "s3":
-            return None
-        query = dict(parse_qsl(urlsplit(self.location.unredacted()).query))
-        endpoint = query.get("endpoint_override")
-        if not endpoint:
-            return None
-        scheme = query.get("scheme", "https")
-        parts = urlsplit(endpoint if "://" in endpoint else f"{scheme}://{endpoint}")
-        try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError:  # not a port: pyarrow's own error says so
-            return None
-        return (parts.hostname, port) if parts.hostname else None
-
-    def _s3_client(self):
-        """A boto3 client for this location's endpoint and credentials (pyarrow exposes no
-        conditional writes). Credentials come from the URI when it carries them, else from boto3's
-        own chain (environment, profile, instance role), as pyarrow's do."""
-        import boto3
-
-        parts = urlsplit(self.location.unredacted())  # the client is built here, with the credentials
-        query = dict(parse_qsl(parts.query))
-        endpoint = query.get("endpoint_override")
-        if endpoint and "://" not in endpoint:
-            endpoint = f"{query.get('scheme', 'https')}://{endpoint}"
-        kwargs: dict = {"endpoint_url": endpoint or None, "region_name": query.get("region") or None}
-        if parts.username:
-            kwargs.update(aws_access_key_id=unquote(parts.username),
-                          aws_secret_access_key=unquote(parts.password or ""))
-        return boto3.client("s3", **kwargs)
-
     def check_endpoint(self, flag: str) -> None:
         """Refuse, in one line naming `flag`, the host and the fix, an endpoint_override whose host does
         not resolve or that nothing answers at. A pre-flight for a command's start only: mid-run the
         same faults are transient (raychat.faults), retried for minutes, which a typo must not cost."""
-        if (endpoint := self._endpoint_override()) is None:
+        if (api := self._bucket_api) is None or (endpoint := api.endpoint(self.location)) is None:
             return
         host, port = endpoint
         if (why := unresolvable(host, budget_s=ENDPOINT_BUDGET_S)) is not None:
@@ -352,12 +318,14 @@ class Storage:
         from raychat.faults import check_settings, retry_transient  # (it imports nothing of storage)
 
         check_settings()  # the retry budget below, and the run's, read from the environment
-        if lease and not self._local and urlsplit(self.location).scheme != "s3":
+        if lease and not self.creates_exclusively:
             # Before any request: no credentials, network or time are needed to know this.
             raise RaychatError(f"{flag} {self}: {_NO_ATOMIC_CREATE}")
         self.check_endpoint(flag)
         probe = f".raychat_write_test_{uuid.uuid4().hex}"
         try:
+            if self._scheme == "gs":
+                gcs.check_credentials(self.location)
             # A short budget: before any worker starts, a typo in the endpoint must cost seconds,
             # while a moment of throttling is still ridden out.
             retry_transient(lambda: self.write_bytes(probe, b"ok"), f"writing a probe file in {self}",
@@ -368,13 +336,14 @@ class Storage:
                 self._check_atomic_create(flag, retry_transient)
         except (OSError, pa.ArrowException, StorageUnavailable) as e:
             cause = e.__cause__ if isinstance(e, StorageUnavailable) and e.__cause__ is not None else e
-            raise RaychatError(f"{flag} {self} is not writable: {self.location.scrub(_storage_reason(cause))}"
-                               ) from None
+            reason = self.location.scrub(_storage_reason(cause, "write", self._scheme))
+            raise RaychatError(f"{flag} {self} is not writable: {reason}") from None
 
     def _check_atomic_create(self, flag: str, retry_transient: Callable) -> None:
         """Create one scratch file exclusively twice: the second must find it there. A store that
-        ignores S3's If-None-Match (some S3-compatible servers and proxies drop it) answers both as
-        created, and two drivers would each take the run's lease and write it at once."""
+        ignores the precondition (S3's If-None-Match, which some S3-compatible servers and proxies
+        drop; GCS's ifGenerationMatch, which emulators ignore) answers both as created, and two
+        drivers would each take the run's lease and write it at once."""
         scratch = f".raychat_lease_test_{uuid.uuid4().hex}"
         try:
             for data in (b"1", b"2"):
@@ -385,8 +354,9 @@ class Storage:
             if created:
                 raise RaychatError(f"{flag} {self} cannot give the run its lease (one writer per run): "
                                    "the store let one file be created exclusively twice (it ignores "
-                                   "S3's If-None-Match), so two drivers could both write the run; use "
-                                   "S3, an S3-compatible store that honours If-None-Match, local disk or NFS")
+                                   "the create-only-if-absent precondition), so two drivers could both "
+                                   "write the run; use S3, GCS, an S3-compatible store that honours "
+                                   "If-None-Match, local disk or NFS")
         finally:
             with suppress(OSError, pa.ArrowException, StorageUnavailable):
                 retry_transient(lambda: self.delete(scratch), f"deleting the scratch file in {self}",
@@ -400,7 +370,7 @@ class Storage:
             yield
         except (OSError, pa.ArrowException, StorageUnavailable) as e:
             cause = e.__cause__ if isinstance(e, StorageUnavailable) and e.__cause__ is not None else e
-            reason = self.location.scrub(_storage_reason(cause))
+            reason = self.location.scrub(_storage_reason(cause, "write", self._scheme))
             raise RaychatError(f"{flag} {self} cannot be written: {reason}") from None
 
 
@@ -435,8 +405,8 @@ class AppendFile:
 Location = str | Path | Storage
 # Why a run's storage must be one of these: its lease rests on an atomic create (raychat.checkpoint.fence).
 _NO_ATOMIC_CREATE = ("raychat cannot give a run its lease (one writer per run) on this store today: it "
-                     "creates a file atomically only on local disk, NFS and S3 or S3-compatible stores that "
-                     "honour If-None-Match; use one of those for --storage-path")
+                     "creates a file atomically only on local disk, NFS, GCS (gs://) and S3 or S3-compatible "
+                     "stores that honour If-None-Match; use one of those for --storage-path")
 PROBE_BUDGET_S = 20.0  # how long the pre-flight write probe rides out transient faults
 ENDPOINT_BUDGET_S = 10.0  # how long an endpoint that refuses connections may take to come (back) up
 
@@ -457,44 +427,15 @@ def unresolvable(host: str, budget_s: float) -> str | None:
         time.sleep(1.0)
 
 
-def _s3_code(e) -> str:
-    return e.response.get("Error", {}).get("Code", "")
-
-
-def _s3_status(e) -> int:
-    return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-
-
-def _s3_fault(e: Exception, doing: str) -> OSError:
-    """A boto3 fault of `doing` as raychat.faults sorts storage faults: a racing conditional write still
-    in flight (409), throttling, a 5xx and an endpoint unreachable, a read timeout or a reset are
-    ConnectionError (transient, retried); any other answer is an OSError."""
-    if not isinstance(e, botocore_errors().ClientError):  # BotoCoreError: no answer at all
-        return ConnectionError(f"{doing}: {type(e).__name__}")
-    code, status = _s3_code(e), _s3_status(e)
-    transient = ("ConditionalRequestConflict", "SlowDown", "Throttling")
-    # 501: the store does not implement the request (a conditional write, say), now or on a retry.
-    if code != "NotImplemented" and (code in transient or status in (409, 429) or (status >= 500
-                                                                                   and status != 501)):
-        return ConnectionError(f"{doing}: {code or status}")
-    return OSError(f"{doing}: {code or e}")
-
-
-def botocore_errors():
-    """botocore's exceptions module, imported when a bucket is used (boto3 is only needed there)."""
-    import botocore.exceptions
-
-    return botocore.exceptions
-
-
 def run_directory(storage_path: str, run_name: str) -> Storage:
     """The directory of the run a command reads (--run-name under --storage-path, default
     $RAYCHAT_HOME/runs); a --run-name that is not a name is refused first."""
     return Storage(storage_path or default_storage_path()).child(check_name(run_name, "--run-name"))
 
 
-def _storage_reason(error: BaseException, access: str = "write") -> str:
-    """One phrase for why storage refused `access`, and what to do about it."""
+def _storage_reason(error: BaseException, access: str = "write", scheme: str = "") -> str:
+    """One phrase for why storage refused `access` (to a location with this URI `scheme`), and what to
+    do about it."""
     text = " ".join(str(error).split())
     lowered = text.lower()
     if any(s in lowered for s in ("notimplemented", "not_implemented", "not implemented", "status 501")):
@@ -505,6 +446,9 @@ def _storage_reason(error: BaseException, access: str = "write") -> str:
         return "the bucket does not exist; create it or fix the bucket name"
     if any(s in lowered for s in ("accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
                                   "signaturedoesnotmatch", "credentials")):
+        if scheme == "gs":
+            return (f"access denied (missing or wrong credentials); {gcs.CREDENTIALS_HINT}; and grant "
+                    f"{access} access")
         return ("access denied (missing or wrong credentials); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
                 f"or the provider's credentials, and grant {access} access")
     if any(s in lowered for s in ("curl", "connect", "resolve host", "timed out", "unreachable")):

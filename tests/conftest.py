@@ -154,17 +154,38 @@ def s3_uri(endpoint: str, prefix: str, bucket: str = TEST_BUCKET) -> str:
     return f"s3://{bucket}/{prefix}?endpoint_override={endpoint}&scheme=http"
 
 
+@pytest.fixture(scope="session")
+def gcs_endpoint():
+    """A GCS JSON API (gcp-storage-emulator, honouring generation preconditions: testkit.gcs_server)
+    on 127.0.0.1 and a free port, with a bucket; yields "127.0.0.1:PORT". Stopped at the end."""
+    from testkit.gcs_server import start_gcs
+
+    server, address = start_gcs(TEST_BUCKET)
+    try:
+        yield address
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def gcs_uri(endpoint: str, prefix: str, bucket: str = TEST_BUCKET) -> str:
+    return f"gs://{bucket}/{prefix}?endpoint_override={endpoint}&scheme=http&anonymous=true"
+
+
 @pytest.fixture(params=[pytest.param("local", marks=pytest.mark.unit),
-                        pytest.param("s3", marks=pytest.mark.integration)])
+                        pytest.param("s3", marks=pytest.mark.integration),
+                        pytest.param("gcs", marks=pytest.mark.integration)])
 def storage(request, tmp_path):
-    """Where a test's runs live, once on local disk and once in the S3 bucket (a fresh prefix per
-    test): a local path or an s3:// URI with its endpoint in the query, as a user passes it. The two
-    are tiered here (local: unit; s3: integration, moto's server), so a test that takes both carries
-    no tier of its own; one that picks one (`indirect=True`) carries its own."""
+    """Where a test's runs live: on local disk, in the S3 bucket and in the GCS bucket (a fresh prefix
+    per test): a local path or a bucket URI with its endpoint in the query, as a user passes it. They
+    are tiered here (local: unit; s3, gcs: integration, a local server), so a test that takes them
+    carries no tier of its own; one that picks one (`indirect=True`) carries its own."""
     if request.param == "local":
         return str(tmp_path / "storage")
-    endpoint = request.getfixturevalue("s3_endpoint")
-    return s3_uri(endpoint, f"{request.node.name.replace('[', '-').rstrip(']')}-{time.time_ns()}")
+    prefix = f"{request.node.name.replace('[', '-').rstrip(']')}-{time.time_ns()}"
+    if request.param == "gcs":
+        return gcs_uri(request.getfixturevalue("gcs_endpoint"), prefix)
+    return s3_uri(request.getfixturevalue("s3_endpoint"), prefix)
 
 
 def _stdlib_docs(min_chars: int = 120) -> list[str]:
@@ -269,7 +290,8 @@ def ranks_started_early(request):
 # what it says, so it is not a unit test: that is refused too, as is `unit` beside another tier.
 TIERS = ("unit", "integration", "ray", "cluster", "slow")
 STARTS = {"ray_session": "the shared Ray instance", "two_worker_run": "training runs on Ray",
-          "s3_endpoint": "moto's S3 server", "ranks": "gloo ranks", "commands": "a reused interpreter"}
+          "s3_endpoint": "moto's S3 server", "gcs_endpoint": "the GCS emulator", "ranks": "gloo ranks",
+          "commands": "a reused interpreter"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -144,7 +144,7 @@ def test_every_node_runs_the_raychat_image():
     assert f"docker build -f cluster/Dockerfile -t {docker['image']} ." in dockerfile
     for piece in ("efa_installer.sh", "--skip-kmod", "libnccl-net.so", "/opt/amazon/ofi-nccl",
                   pyproject_ray_pin().replace("ray", '"ray', 1),
-                  'pip install --no-cache-dir -e "/home/ray/raychat[hub,report]"',
+                  'pip install --no-cache-dir -e "/home/ray/raychat[hub,report,gcs]"',
                   "torch.version.cuda"):
         assert piece in dockerfile, piece
 

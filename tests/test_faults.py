@@ -1,5 +1,5 @@
 """Storage faults sorted by what they are (raychat.faults), provoked for real: pyarrow's S3 client
-talking to moto's server through the fault-injecting proxy (testkit.s3_fault_proxy). Transient faults
+talking to moto's server through the fault-injecting proxy (testkit.fault_proxy). Transient faults
 are ridden out with one line per incident, past the budget they fail the attempt as a plain
 exception, and only what the user must fix is a RaychatError."""
 
@@ -32,14 +32,14 @@ from raychat.storage import Storage
 from raychat.tokenizer import remote
 from raychat.tokenizer.core import Tokenizer
 from raychat.tokenizer.remote import local_copy
-from testkit.s3_fault_proxy import S3FaultProxy
+from testkit.fault_proxy import FaultProxy
 
 DOCS = [f"document {i}: " + "words " * (i % 7) for i in range(120)]
 
 
 @pytest.fixture
 def proxy(s3_endpoint):
-    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+    with FaultProxy(s3_endpoint, seed=0) as proxy:
         yield proxy
 
 
@@ -139,7 +139,7 @@ def test_the_proxy_schedule_is_seeded(s3_endpoint, direct_client):
         f.write(b"s" * 100)
 
     def pattern(seed: int) -> list[bool]:
-        with S3FaultProxy(s3_endpoint, seed=seed) as proxy:
+        with FaultProxy(s3_endpoint, seed=seed) as proxy:
             client = pafs.S3FileSystem(endpoint_override=proxy.address, scheme="http",
                                        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
             proxy.inject("error500", method="GET", probability=0.5)
@@ -324,9 +324,10 @@ def test_checkpoint_reads_and_writes_sort_their_faults(proxy, direct_client, s3_
 @pytest.mark.integration  # moto's S3 server behind the fault proxy
 def test_a_lease_records_whole_get_rides_out_faults_past_the_clients_retries(proxy, s3_endpoint):
     """A lease record is read with one GET of boto3's (Storage.read_replaceable), not pyarrow's: its
-    faults are sorted by `_s3_fault`. A body cut short (which boto3 does not retry) and 503s past
-    boto3's own 5 tries are transient, ridden out by the caller's retry in one incident; none is ever
-    taken for a damaged record (which would stop a healthy run) or for a free lease (a missing one)."""
+    faults are sorted by `raychat.stores.s3.fault`. A body cut short (which boto3 does not retry) and
+    503s past boto3's own 5 tries are transient, ridden out by the caller's retry in one incident; none
+    is ever taken for a damaged record (which would stop a healthy run) or for a free lease (a missing
+    one)."""
     run = f"lease-get-{time.time_ns()}"
     record = fence.LeaseRecord(epoch=3, holder="h" * 40, host="vm", pid=7, started="now", floor=5, beat=9)
     Storage(s3_uri(s3_endpoint, run)).child(fence.LEASE_DIR).replace_atomically(fence.epoch_file(3),
@@ -389,7 +390,8 @@ BACKSTOP = "eval bundle"  # in the line of the refusal that comes after every st
 def test_a_store_that_ignores_if_none_match_cannot_hold_a_run(proxy, commands, tmp_path):
     """The lease's atomic create, proved by the driver before any worker starts: through a store that
     drops If-None-Match (moto behind the proxy), the same file is "created" twice, and the run is
-    refused in one line; the honest store passes; gs:// and abfs:// are refused before any request."""
+    refused in one line; the honest store passes; abfs:// is refused before any request (GCS's own
+    lying-store case: tests/test_gcs.py)."""
     honest = s3_uri(proxy.address, f"honest-{time.time_ns()}")
     assert BACKSTOP in refused_at_start(commands, tmp_path, "--storage-path", honest)
     proxy.inject("drop_conditions")
@@ -398,9 +400,9 @@ def test_a_store_that_ignores_if_none_match_cannot_hold_a_run(proxy, commands, t
     assert f"--storage-path {liar} cannot give the run its lease (one writer per run)" in line, line
     assert "If-None-Match" in line and proxy.injected["drop_conditions"] >= 2
     assert not Storage(liar).files()  # the scratch file deleted
-    for uri in ("gs://bucket/runs", "abfs://container@account.dfs.core.windows.net/runs"):
-        line = refused_at_start(commands, tmp_path, "--storage-path", uri)
-        assert "--storage-path" in line and "cannot give a run its lease (one writer per run)" in line, line
+    uri = "abfs://container@account.dfs.core.windows.net/runs"
+    line = refused_at_start(commands, tmp_path, "--storage-path", uri)
+    assert "--storage-path" in line and "cannot give a run its lease (one writer per run)" in line, line
 
 
 @pytest.mark.integration  # moto's S3 server behind the fault proxy, commands in a reused interpreter
@@ -413,7 +415,7 @@ def test_a_store_that_does_not_implement_a_request_is_the_users_at_once(proxy, d
     got = error_of(lambda: direct_client.open_output_stream(key).close())
     assert "501" in str(got) and not is_transient(got), got
     proxy.clear()
-    # The conditional PUT of the lease's probe, through boto3 (raychat.storage._s3_fault).
+    # The conditional PUT of the lease's probe, through boto3 (raychat.stores.s3.fault).
     proxy.inject("notimplemented", method="PUT", match="lease_test")
     started = time.monotonic()
     uri = s3_uri(proxy.address, f"not-implemented-{time.time_ns()}")

@@ -18,7 +18,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 REPO = Path(__file__).resolve().parent.parent
 # Modules only an extra's feature imports: the import is reached only with that feature on.
-EXTRA_ONLY = {"torchao": "fp8", "huggingface_hub": "hub", "matplotlib": "report"}
+EXTRA_ONLY = {"torchao": "fp8", "huggingface_hub": "hub", "matplotlib": "report", "google": "gcs",
+              "requests": "gcs"}
 
 
 def _requirement_name(requirement: str) -> str:
@@ -64,15 +65,16 @@ def test_every_module_raychat_imports_is_a_declared_dependency():
 # (an import raises ModuleNotFoundError, importlib.util.find_spec answers None), as where not installed.
 WITHOUT_EXTRAS = """
 import sys
-sys.modules["matplotlib"] = sys.modules["huggingface_hub"] = None
+sys.modules["matplotlib"] = sys.modules["huggingface_hub"] = sys.modules["google.cloud.storage"] = None
 """
 
 
 @pytest.mark.integration  # a Python of its own, without the extras
 def test_a_node_without_the_extras_trains_and_is_told_what_to_install(tmp_path):
     """`pip install .` (no extras) must train: the trainer, its workers' loop, the corpus and the sweep
-    import neither the Hub's client nor matplotlib; the embedded default corpus falls back to the
-    offline sample corpus with a line naming the extra; a report asks for its extra in one line."""
+    import neither the Hub's client, matplotlib nor the GCS client; the embedded default corpus falls
+    back to the offline sample corpus with a line naming the extra; a report and a gs:// location ask
+    for their extras in one line."""
     import subprocess
 
     code = WITHOUT_EXTRAS + """
@@ -82,8 +84,9 @@ from raychat.common import RaychatError
 from raychat.corpus.default import prepare_default_corpus
 from raychat.report.document import build_report
 from raychat.storage import Storage
-assert not [m for m, module in sys.modules.items()
-            if m.split(".")[0] in ("matplotlib", "huggingface_hub") and module is not None]
+assert not [m for m, module in sys.modules.items()  # (google.protobuf comes with Ray)
+            if m.split(".")[0] in ("matplotlib", "huggingface_hub") or m.startswith("google.cloud")
+            if module is not None]
 said = []
 assert prepare_default_corpus(sys.argv[1], log=said.append) == "sample"
 print(said[0])
@@ -91,12 +94,18 @@ try:
     build_report(Storage(sys.argv[1]))
 except RaychatError as e:
     print(e)
+try:
+    Storage("gs://bucket/runs?anonymous=true").check_writable("--storage-path", lease=True)
+except RaychatError as e:
+    print(e)
 """
     env = {k: v for k, v in __import__("os").environ.items() if k != "RAYCHAT_OFFLINE"}
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "corpus")], capture_output=True,
                           text=True, timeout=300, cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    corpus_line, report_line = done.stdout.strip().splitlines()[-2:]
+    corpus_line, report_line, gcs_line = done.stdout.strip().splitlines()[-3:]
     assert "huggingface_hub is not installed (pip install 'raychat[hub]'" in corpus_line, corpus_line
     assert report_line == ("a run's report needs matplotlib, which is not installed: "
                            "pip install 'raychat[report]'"), report_line
+    assert gcs_line == ("gs://bucket/runs?anonymous=true needs google.cloud.storage, which is not installed: "
+                        "pip install 'raychat[gcs]'"), gcs_line

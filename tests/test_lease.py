@@ -34,8 +34,8 @@ from raychat.elastic import lease
 from raychat.elastic.lease import STALE_AFTER_BEATS, RunLease, holder_is_gone
 from raychat.model.gpt import GPTConfig
 from raychat.storage import Storage
+from testkit.fault_proxy import FaultProxy
 from testkit.lease_race import race
-from testkit.s3_fault_proxy import S3FaultProxy
 
 QUIET = lambda _: None  # noqa: E731
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +66,7 @@ def test_racing_drivers_on_local_disk_exactly_one_trains(tmp_path):
 def test_racing_drivers_on_s3_exactly_one_trains_whoever_is_slower(s3_endpoint):
     """The old lease let both drivers in when one PUT was 1.3 s slower than the other. Now each
     trial races direct drivers against ones behind the fault proxy, whose lease PUTs are delayed."""
-    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+    with FaultProxy(s3_endpoint, seed=0) as proxy:
         for trial in range(4):
             rng = random.Random(trial)
             prefix = f"race-{trial}-{time.time_ns()}"
@@ -245,7 +245,7 @@ def test_a_lease_record_that_cannot_be_read_is_never_free(tmp_path, s3_endpoint,
     assert fence.epochs(run) == [1]
 
     # Reads that fail for a while (500s) are retried: the live holder is still seen, not "free".
-    with S3FaultProxy(s3_endpoint, seed=1) as proxy:
+    with FaultProxy(s3_endpoint, seed=1) as proxy:
         prefix = f"unreadable-{time.time_ns()}"
         holder = RunLease(Storage(s3_uri(s3_endpoint, prefix)).child("run"), heartbeat_s=0.2)
         holder.acquire(floor=lambda: 0, log=QUIET)

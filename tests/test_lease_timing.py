@@ -24,7 +24,7 @@ from raychat.config import add_config_flags, config_from_args
 from raychat.elastic import lease
 from raychat.elastic.lease import MIN_TAKEOVER_S, RunLease, takeover_wait_s
 from raychat.storage import Storage
-from testkit.s3_fault_proxy import S3FaultProxy
+from testkit.fault_proxy import FaultProxy
 
 QUIET = lambda _: None  # noqa: E731
 
@@ -146,7 +146,7 @@ def test_a_holder_rides_out_an_outage_and_stops_only_on_a_newer_epoch(tmp_path, 
 def test_a_create_whose_answer_was_lost_is_the_drivers_own(s3_endpoint):
     """The retried create found the record the first try wrote, and the driver refused the run to
     itself ("taken by another driver ... pid <its own>"). It now counts as created."""
-    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+    with FaultProxy(s3_endpoint, seed=0) as proxy:
         lost = proxy.inject("lost_reply", method="PUT", match="/lease/epoch_", count=1)
         prefix = f"lost-reply-{time.time_ns()}"
         held = RunLease(Storage(s3_uri(proxy.address, prefix)).child("run"), heartbeat_s=60)

@@ -24,7 +24,7 @@ from raychat.telemetry.metrics_log import (
     read_log,
     read_timeline,
 )
-from testkit.s3_fault_proxy import S3FaultProxy
+from testkit.fault_proxy import FaultProxy
 
 
 def attempt(run: Storage, start: int, stop: int, evals: list[int], tag: str) -> MetricsLog:
@@ -277,7 +277,7 @@ def test_the_training_thread_does_not_wait_on_a_stalled_bucket(s3_endpoint, monk
     proxy holds every request) delays the log, not the steps, and the log loses nothing meanwhile."""
     monkeypatch.setattr(faults, "FIRST_DELAY_S", 0.05)
     prefix = f"stalled-{time.time_ns()}"
-    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+    with FaultProxy(s3_endpoint, seed=0) as proxy:
         run = Storage(s3_uri(proxy.address, prefix)).child("r")
         log = MetricsLog(run)
         proxy.inject("stall", seconds=6)
@@ -341,7 +341,7 @@ def test_a_failing_bucket_is_retried_then_said_once_and_nothing_is_lost(s3_endpo
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # boto3's own retries off: each fault reaches ours
     monkeypatch.setenv("RAYCHAT_RETRY_BUDGET_S", "60")
     prefix = f"failing-{time.time_ns()}"
-    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+    with FaultProxy(s3_endpoint, seed=0) as proxy:
         run = Storage(s3_uri(proxy.address, prefix)).child("r")
         log = MetricsLog(run)
         burst = proxy.inject("error500", count=3, method="PUT")

@@ -37,7 +37,7 @@ from raychat.model.gpt import GPTConfig
 from raychat.run.driver import hold_run
 from raychat.run.prepare import prepare_run
 from raychat.storage import Storage
-from testkit.s3_fault_proxy import S3FaultProxy
+from testkit.fault_proxy import FaultProxy
 
 QUIET = lambda _: None  # noqa: E731
 
@@ -129,7 +129,7 @@ def test_a_record_that_may_not_be_read_stops_the_driver_and_never_fails_a_whole_
     """A bucket policy denies one old checkpoint's meta.json (403 AccessDenied). The driver's choice
     stops in one line naming the file; a save's prune leaves that checkpoint alone and the save
     stays whole."""
-    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+    with FaultProxy(s3_endpoint, seed=0) as proxy:
         run = Storage(s3_uri(proxy.address, "denied-meta")).child("run")
         saver = CheckpointSaver(run, keep=2, rank=0, world_size=1, log=QUIET)
         for step in (1, 2):
@@ -210,7 +210,7 @@ def test_a_rewind_whose_first_save_died_before_its_manifest_hides_and_deletes_no
 def test_a_floor_that_cannot_read_every_record_takes_no_lease(s3_endpoint):
     """The floor a new epoch records must count every checkpoint: one whose meta.json is denied
     (403) stops the driver in one line before its epoch exists, rather than being disowned later."""
-    with S3FaultProxy(s3_endpoint, seed=0) as proxy:
+    with FaultProxy(s3_endpoint, seed=0) as proxy:
         run = Storage(s3_uri(proxy.address, "denied-floor")).child("run")
         saver = CheckpointSaver(run, keep=0, rank=0, world_size=1, log=QUIET)
         for step in (1, 2):

@@ -22,7 +22,6 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from urllib.parse import urlsplit
 
 from raychat.faults import is_missing
 from raychat.storage import Storage
@@ -148,9 +147,9 @@ class PartedFile:
         self._dir = storage.child(parts_dir(name))
         self._attempt = next_attempt(parts if parts is not None else part_names(storage, name))
         self._seq = 0
-        # create_exclusive is the store's atomic create (S3 If-None-Match, a hard link on disk); on
-        # another store a part's name is only this writer's by the attempt number
-        self._exclusive = storage.appends_in_place or urlsplit(storage.location).scheme == "s3"
+        # create_exclusive is the store's atomic create (S3 If-None-Match, GCS ifGenerationMatch, a hard
+        # link on disk); on another store a part's name is only this writer's by the attempt number
+        self._exclusive = storage.creates_exclusively
 
     def append(self, data: bytes) -> None:
         while True:

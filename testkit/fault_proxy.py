@@ -1,14 +1,17 @@
-"""A fault-injecting front for an S3 endpoint (moto's server here): storage faults on demand.
+"""A fault-injecting front for a bucket's endpoint (moto's S3 server, or testkit.gcs_server's GCS):
+storage faults on demand.
 
 A bucket in production throttles (503 SlowDown), fails (500), resets connections, freezes for a
-while and cuts responses short. Tests and `bench.chaos` need those faults against a real S3 client
-(pyarrow's) and a real S3 API (moto), with no mock in between. Clients use the proxy's address as
-their endpoint (`s3://bucket/x?endpoint_override=127.0.0.1:PORT&scheme=http`); it forwards each
-request verbatim, Host header included, so the request moto receives is the one the client signed
-(SigV4 signs the Host header; moto accepts any signature, and a server that checks them would find
-this one consistent).
+while and cuts responses short. Tests and `bench.chaos` need those faults against real clients
+(pyarrow's, boto3, google-cloud-storage) and a real bucket API, with no mock in between. Clients use
+the proxy's address as their endpoint (`s3://bucket/x?endpoint_override=127.0.0.1:PORT&scheme=http`,
+the same for gs://); it forwards each request verbatim, Host header included, so the request the
+server receives is the one the client signed (SigV4 signs the Host header; moto accepts any
+signature, and a server that checks them would find this one consistent). `api="gcs"` words its
+errors as GCS's JSON API does and drops GCS's preconditions (query parameters) where "s3" drops
+S3's (headers).
 
-    proxy = S3FaultProxy("127.0.0.1:9000", seed=0).start()
+    proxy = FaultProxy("127.0.0.1:9000", seed=0).start()
     proxy.inject("slowdown", count=5)                       # the next 5 requests get 503 SlowDown
     proxy.inject("stall", seconds=20)                       # frozen for 20 s, then answers again
     proxy.inject("reset", method="PUT", match="rank_0000")  # every PUT of that file: connection reset
@@ -21,17 +24,19 @@ Kinds: "delay" (answer after `delay_s`), "slowdown" (503 SlowDown), "error500" (
 "reset" (TCP reset after reading the request), "lost_reply" (forwarded, then a TCP reset instead of
 the answer: the store did it, the client never heard), "stall" (hold each request until the fault's window
 ends, then forward it: a frozen endpoint that thaws), "cut" (forward, then send half the body and
-close), "drop_conditions" (forward without the If-None-Match and If-Match headers: the S3-compatible
-stores and proxies that ignore conditional writes). A fault applies to requests matching `method`
-and `match` (a substring of the path, i.e. /bucket/key), while its window (`seconds` from now) lasts
-and until it has hit `count` requests. `probability` faults draw from the proxy's seeded generator:
-the same seed and the same sequence of requests meet the same faults.
+close), "drop_conditions" (forward without the If-None-Match and If-Match headers, or GCS's
+ifGenerationMatch-style parameters: the stores and proxies that ignore conditional writes). A fault
+applies to requests matching `method` and `match` (a substring of the path, i.e. /bucket/key), while
+its window (`seconds` from now) lasts and until it has hit `count` requests. `probability` faults
+draw from the proxy's seeded generator: the same seed and the same sequence of requests meet the
+same faults.
 
 In testkit, not bench/, because the tests (tests/test_faults.py, test_lease.py, ...) and the benches
 (bench.lease_race) both put it in front of a bucket; raychat itself never imports it.
 """
 
 import http.client
+import json
 import random
 import socket
 import struct
@@ -41,11 +46,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qsl, urlencode
 
 KINDS = ("delay", "slowdown", "error500", "notimplemented", "forbidden", "reset", "lost_reply", "stall",
          "cut", "drop_conditions")
-# What a store that ignores conditional writes drops: the preconditions of S3's PUT.
+# What a store that ignores conditional writes drops: the preconditions of S3's PUT (headers) and of
+# GCS's uploads (query parameters).
 CONDITION_HEADERS = {"if-none-match", "if-match"}
+GCS_CONDITIONS = ("ifGenerationMatch", "ifGenerationNotMatch", "ifMetagenerationMatch",
+                  "ifMetagenerationNotMatch")
 
 # Hop-by-hop headers: they describe one connection, so the proxy sets its own on each side.
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "expect", "te", "trailer", "upgrade",
@@ -86,11 +95,13 @@ class Fault:
             (self.match is None or self.match in path)
 
 
-class S3FaultProxy:
+class FaultProxy:
     """A threaded HTTP proxy on 127.0.0.1 in front of `upstream` ("host:port"), injecting faults."""
 
-    def __init__(self, upstream: str, seed: int = 0, port: int = 0):
-        self.upstream = upstream
+    def __init__(self, upstream: str, seed: int = 0, port: int = 0, api: str = "s3"):
+        if api not in ("s3", "gcs"):
+            raise ValueError(f"unknown api {api!r}: 's3' or 'gcs'")
+        self.upstream, self.api = upstream, api
         self._rng = random.Random(seed)   # decides `probability` faults: one seed, one schedule
         self._lock = threading.Lock()
         self._faults: list[Fault] = []
@@ -99,7 +110,7 @@ class S3FaultProxy:
         self._server = _Server(("127.0.0.1", port), _handler_class(self))
         # A short poll interval: stop() returns in 50 ms, not 500 (tests start a proxy each).
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="s3-fault-proxy", daemon=True)
+                                        name="fault-proxy", daemon=True)
 
     @property
     def address(self) -> str:
@@ -107,7 +118,7 @@ class S3FaultProxy:
         host, port = self._server.server_address[:2]
         return f"{host}:{port}"
 
-    def start(self) -> "S3FaultProxy":
+    def start(self) -> "FaultProxy":
         self._thread.start()
         return self
 
@@ -116,7 +127,7 @@ class S3FaultProxy:
         self._server.shutdown()
         self._server.server_close()
 
-    def __enter__(self) -> "S3FaultProxy":
+    def __enter__(self) -> "FaultProxy":
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -168,13 +179,29 @@ class _Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-def _error_body(code: str, message: str, path: str) -> bytes:
+def _error(api: str, status: int, code: str, message: str, path: str) -> tuple[list[tuple[str, str]], bytes]:
+    """The headers and body of an error answer, as the store's API words it."""
+    if api == "gcs":
+        body = {"error": {"code": status, "message": message,
+                          "errors": [{"reason": code, "message": message}]}}
+        return [("Content-Type", "application/json")], json.dumps(body).encode()
+    return [("Content-Type", "application/xml")], _xml_error_body(code, message, path)
+
+
+def _without_gcs_conditions(path: str) -> str:
+    """`path` with GCS's precondition parameters taken out of its query."""
+    base, _, query = path.partition("?")
+    kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k not in GCS_CONDITIONS]
+    return f"{base}?{urlencode(kept)}" if kept else base
+
+
+def _xml_error_body(code: str, message: str, path: str) -> bytes:
     return (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
             f"<Resource>{path}</Resource><RequestId>{uuid.uuid4().hex[:16].upper()}</RequestId></Error>"
             ).encode()
 
 
-def _handler_class(proxy: S3FaultProxy) -> type[BaseHTTPRequestHandler]:
+def _handler_class(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"   # keep-alive, and 100-continue answered for large PUTs
 
@@ -202,15 +229,13 @@ def _handler_class(proxy: S3FaultProxy) -> type[BaseHTTPRequestHandler]:
                 return
             if kind in S3_ERRORS:
                 status, code, message = S3_ERRORS[kind]
-                self._answer(status, [("Content-Type", "application/xml")],
-                             _error_body(code, message, self.path.split("?")[0]))
+                self._answer(status, *_error(proxy.api, status, code, message, self.path.split("?")[0]))
                 return
             if kind == "delay":
                 fault.ended.wait(fault.delay_s)
             elif kind == "stall":
                 fault.ended.wait(max(0.0, fault.until - time.monotonic()))
-            status, headers, payload = self._forward(body, drop=CONDITION_HEADERS
-                                                     if kind == "drop_conditions" else set())
+            status, headers, payload = self._forward(body, drop=kind == "drop_conditions")
             if kind == "lost_reply":
                 self._reset()
                 return
@@ -233,14 +258,16 @@ def _handler_class(proxy: S3FaultProxy) -> type[BaseHTTPRequestHandler]:
             self.close_connection = True
             self.connection.close()
 
-        def _forward(self, body: bytes, drop: set[str]) -> tuple[int, list[tuple[str, str]], bytes]:
-            """The upstream's answer to this request, sent with the client's own headers (Host kept)
-            but those named in `drop`."""
+        def _forward(self, body: bytes, drop: bool) -> tuple[int, list[tuple[str, str]], bytes]:
+            """The upstream's answer to this request, sent with the client's own headers (Host kept),
+            without its preconditions if `drop`."""
             connection = http.client.HTTPConnection(proxy.upstream, timeout=300)
+            dropped = CONDITION_HEADERS if drop and proxy.api == "s3" else set()
+            path = _without_gcs_conditions(self.path) if drop and proxy.api == "gcs" else self.path
             try:
-                connection.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                connection.putrequest(self.command, path, skip_host=True, skip_accept_encoding=True)
                 for name, value in self.headers.items():
-                    if name.lower() not in HOP_HEADERS | drop and name.lower() != "content-length":
+                    if name.lower() not in HOP_HEADERS | dropped and name.lower() != "content-length":
                         connection.putheader(name, value)
                 if body or self.command in ("PUT", "POST"):
                     connection.putheader("Content-Length", str(len(body)))
@@ -266,6 +293,6 @@ def _handler_class(proxy: S3FaultProxy) -> type[BaseHTTPRequestHandler]:
             if self.command != "HEAD":
                 self.wfile.write(payload)
 
-        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle
 
     return Handler

@@ -1,0 +1,281 @@
+"""gs:// as a user on GCP keeps runs: corpus, tokenizer and runs in a bucket, a run resumed from it,
+the lease's atomic create (a generation precondition) raced and proved at start, GCS's faults sorted
+as S3's are, and credentials (a service-account key, found as Application Default Credentials) used
+and never shown. Against a GCS JSON API on 127.0.0.1 (testkit.gcs_server: gcp-storage-emulator,
+made to honour ifGenerationMatch) and, for the faults, testkit.fault_proxy in front of it."""
+
+import json
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from conftest import TEST_BUCKET, gcs_uri
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from helpers import (
+    STEP_LINE,
+    copy_to_bucket,
+    final_model_state,
+    log_lines,
+    one_error_line,
+    run_train,
+    tiny_flags,
+)
+from test_faults import BACKSTOP, refused_at_start
+
+from raychat.checkpoint import fence
+from raychat.checkpoint.format import read_meta
+from raychat.common import RaychatError
+from raychat.faults import is_missing, is_transient, retry_transient
+from raychat.storage import Storage
+from testkit.fault_proxy import FaultProxy
+from testkit.lease_race import race
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.ray
+def test_a_run_in_gcs_trains_what_local_disk_does_and_resumes_from_its_checkpoint(ray_session, tiny_corpus,
+                                                                                  tmp_path, gcs_endpoint,
+                                                                                  commands):
+    """Corpus, tokenizer and run in the bucket: 6 steps, then the same command to step 9 resumes at 6;
+    its losses and final weights are those of the same two commands on local disk, run beside it."""
+    data_dir, tokenizer_dir = tiny_corpus
+    prefix = f"gcs-run-{time.time_ns()}"
+    corpus = gcs_uri(gcs_endpoint, f"{prefix}/corpus")
+    tokenizer = gcs_uri(gcs_endpoint, f"{prefix}/tokenizer")
+    copy_to_bucket(data_dir, corpus)
+    copy_to_bucket(tokenizer_dir, tokenizer)
+    runs = gcs_uri(gcs_endpoint, f"{prefix}/runs")
+    flags = ["--num-workers", "1", "--total-batch-size", "512", "--eval-every", "-1", "--save-every", "3"]
+    outputs: dict[str, list[str]] = {"gcs": [], "local": []}
+    for steps in ("6", "9"):
+        local_flags = tiny_flags(tiny_corpus, tmp_path / "runs", "run", *flags, "--num-iterations", steps)
+        gcs_flags = tiny_flags((corpus, tokenizer), runs, "run", *flags, "--num-iterations", steps)
+        local = subprocess.Popen([sys.executable, "-m", "raychat.train", *local_flags],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 env=ray_session.driver_env())
+        try:
+            in_gcs = run_train(ray_session, gcs_flags)
+            local_out, _ = local.communicate(timeout=400)
+        finally:
+            if local.poll() is None:
+                local.kill()
+                local.wait()
+        assert in_gcs.returncode == 0, in_gcs.stdout[-2000:] + in_gcs.stderr[-3000:]
+        assert local.returncode == 0, local_out[-3000:]
+        outputs["gcs"].append(in_gcs.stdout)
+        outputs["local"].append(local_out)
+    run = Storage(runs).child("run")
+    saved = {"checkpoint_000003", "checkpoint_000006", "checkpoint_000009"}
+    assert saved | {fence.LEASE_DIR} <= set(run.subdirs())
+    assert read_meta(run.child("checkpoint_000006")).corpus.location == corpus.split("?")[0]
+    resumed = outputs["gcs"][1]
+    assert re.search(r"^Resumed from gs://\S+/run/checkpoint_000006\S* at step 6 ", resumed, re.M), resumed
+    losses = {where: [m.group(4) for out in outs for m in log_lines(out, STEP_LINE)]
+              for where, outs in outputs.items()}
+    assert len(losses["gcs"]) == 9 and losses["gcs"] == losses["local"]
+    gcs_state = final_model_state(run)
+    local_state = final_model_state(Storage(str(tmp_path / "runs")).child("run"))
+    assert all((gcs_state[k] == local_state[k]).all() for k in local_state)
+    assert fence.epochs(run) == [1, 2]  # one lease epoch per driver, each created exclusively
+
+    # The checkpoint reads back for sampling, from the bucket, as from local disk.
+    sample = commands.run("raychat.sample", "--run-name", "run", "--storage-path", runs, "--tokenizer-dir",
+                          tokenizer, "--prompt", "The", "--max-tokens", "4", timeout=120)
+    assert sample.returncode == 0, sample.stderr[-2000:]
+    assert "checkpoint_000009" in sample.stdout + sample.stderr
+
+
+@pytest.mark.integration  # the GCS emulator, the fault proxy, a subprocess
+def test_racing_drivers_on_gcs_exactly_one_trains_whoever_is_slower(gcs_endpoint):
+    """Each trial races a direct driver against one whose lease creates the proxy delays: exactly one
+    wins and one epoch is ever created; the bench counts the same, run as its users run it."""
+    held_back = 0
+    with FaultProxy(gcs_endpoint, seed=0, api="gcs") as proxy:
+        for trial in range(3):
+            rng = random.Random(trial)
+            prefix = f"race-{trial}-{time.time_ns()}"
+            direct = Storage(gcs_uri(gcs_endpoint, prefix)).child("run")
+            slowed = Storage(gcs_uri(proxy.address, prefix)).child("run")
+            delay = proxy.inject("delay", method="POST", match="ifGenerationMatch=0",
+                                 delay_s=rng.choice([0.3, 1.3]))
+            outcomes = race([slowed, direct], rng)
+            delay.ended.set()
+            assert outcomes.count("won") == 1, (trial, outcomes)
+            assert fence.epochs(direct) == [1], trial
+            held_back += delay.hits
+    assert held_back >= 1  # a slowed driver's create was held back (one that finds epoch 1 sends none)
+    done = subprocess.run([sys.executable, "-m", "bench.lease_race", "--storage", "gcs", "--trials", "3",
+                           "--seed", "1", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counted = json.loads(done.stdout.splitlines()[-1])
+    assert (counted["storage"], counted["trials"], counted["double_writers"]) == ("gcs", 3, 0), done.stdout
+
+
+@pytest.mark.integration  # the GCS emulator
+def test_an_exclusive_create_has_one_winner_among_racing_threads(gcs_endpoint):
+    run = Storage(gcs_uri(gcs_endpoint, f"create-race-{time.time_ns()}"))
+    start, won = threading.Barrier(8), []
+
+    def create(i: int) -> None:
+        start.wait()
+        if run.create_exclusive("epoch_000001.json", f"writer {i}".encode()):
+            won.append(i)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and run.read_replaceable("epoch_000001.json") == f"writer {won[0]}".encode()
+
+
+@pytest.mark.integration  # the GCS emulator behind the fault proxy, commands in a reused interpreter
+def test_a_gcs_store_that_ignores_the_generation_precondition_cannot_hold_a_run(gcs_endpoint, commands,
+                                                                               tmp_path):
+    """The emulator as shipped ignores ifGenerationMatch; here the proxy drops it: both scratch creates
+    "succeed", and the driver refuses the run in one line before any worker starts."""
+    with FaultProxy(gcs_endpoint, seed=0, api="gcs") as proxy:
+        honest = gcs_uri(proxy.address, f"honest-{time.time_ns()}")
+        assert BACKSTOP in refused_at_start(commands, tmp_path, "--storage-path", honest)
+        proxy.inject("drop_conditions")
+        liar = gcs_uri(proxy.address, f"liar-{time.time_ns()}")
+        line = refused_at_start(commands, tmp_path, "--storage-path", liar)
+        assert f"--storage-path {liar} cannot give the run its lease (one writer per run)" in line, line
+        assert "precondition" in line and proxy.injected["drop_conditions"] >= 2
+        proxy.clear()
+        assert not Storage(liar).files()  # the scratch file deleted
+
+
+@pytest.mark.integration  # the GCS emulator behind the fault proxy
+def test_gcs_faults_are_sorted_as_s3_faults_and_ridden_out(gcs_endpoint):
+    """Throttling, 5xx, resets and cut bodies are transient on every path (pyarrow's reads and
+    writes, google-cloud-storage's listing, whole reads and creates), ridden out within the budget;
+    403 and 501 are the user's at once; a missing object is missing."""
+    with FaultProxy(gcs_endpoint, seed=0, api="gcs") as proxy:
+        # pyarrow's client retries for retry_limit_seconds itself: 10 ms here, so the faults reach us
+        store = Storage(gcs_uri(proxy.address, f"faults-{time.time_ns()}") + "&retry_limit_seconds=0.01")
+        store.write_bytes("a.json", b"{}")
+        paths = {"read": lambda: store.read_bytes("a.json"), "write": lambda: store.write_bytes("b", b"x"),
+                 "list": store.files, "whole read": lambda: store.read_replaceable("a.json"),
+                 "create": lambda: store.create_exclusive(f"c{time.time_ns()}", b"1")}
+        sorted_faults = 0
+        for kind in ("slowdown", "error500", "cut", "forbidden", "notimplemented"):
+            for name, path in paths.items():
+                fault = proxy.inject(kind, seconds=0.2)  # longer than pyarrow's own retries
+                try:
+                    path()
+                    error = None
+                except OSError as e:
+                    error = e
+                proxy.clear()
+                if fault.hits == 0:
+                    continue  # (a cut of a request with no body to cut)
+                assert error is not None, (kind, name)
+                assert is_transient(error) == (kind in ("slowdown", "error500", "cut")), (kind, name, error)
+                sorted_faults += 1
+        assert sorted_faults >= 20  # a cut of a request with no body to cut is the only one left out
+        # Ridden out: 1.5 s of 503s on a whole read, of 500s on a create, in one incident each.
+        lines: list[str] = []
+        proxy.inject("slowdown", seconds=1.5)
+        read = retry_transient(lambda: store.read_replaceable("a.json"), "reading a.json", log=lines.append)
+        assert read == b"{}"
+        proxy.inject("error500", seconds=1.5)
+        assert retry_transient(lambda: store.create_exclusive("d.json", b"1"), "creating d.json",
+                               log=lines.append)
+        assert len(lines) == 4 and all("recovered" in line for line in lines[1::2]), lines
+        missing = None
+        try:
+            store.read_replaceable("nothing.json")
+        except OSError as e:
+            missing = e
+        assert isinstance(missing, FileNotFoundError) and is_missing(missing) and not is_transient(missing)
+
+
+@pytest.fixture
+def service_account(tmp_path):
+    """A service-account key file (a fresh RSA key) whose token endpoint is a server on 127.0.0.1,
+    as GOOGLE_APPLICATION_CREDENTIALS names one: yields (key path, private key text, access token,
+    the token requests seen)."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption()).decode()
+    token, seen = f"ya29.secret-{time.time_ns()}", []
+
+    class TokenEndpoint(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            seen.append(self.path)
+            body = json.dumps({"access_token": token, "expires_in": 3600, "token_type": "Bearer"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), TokenEndpoint)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    path = tmp_path / "trainer-key.json"
+    path.write_text(json.dumps({
+        "type": "service_account", "project_id": "raychat-test", "private_key_id": "k1", "private_key": pem,
+        "client_email": "trainer@raychat-test.iam.gserviceaccount.com", "client_id": "1",
+        "token_uri": f"http://127.0.0.1:{server.server_port}/token"}))
+    try:
+        yield path, pem, token, seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.mark.integration  # the GCS emulator, a token server, commands in a reused interpreter
+def test_gcs_credentials_come_from_a_key_file_and_are_never_shown(gcs_endpoint, service_account, commands,
+                                                                  tmp_path):
+    key_path, pem, token, seen = service_account
+    secret_lines = [line for line in pem.splitlines() if "PRIVATE KEY" not in line]
+    uri = f"gs://{TEST_BUCKET}/keyed-{time.time_ns()}?endpoint_override={gcs_endpoint}&scheme=http"
+    # With the key: the driver's checks pass (the probe, the exclusive create) on its token.
+    line = refused_at_start(commands, tmp_path, "--storage-path", uri,
+                            GOOGLE_APPLICATION_CREDENTIALS=str(key_path))
+    assert BACKSTOP in line and seen, line
+    # Denied (a policy, through the proxy): one line that says how to give credentials, naming none.
+    with FaultProxy(gcs_endpoint, seed=0, api="gcs") as proxy:
+        proxy.inject("forbidden")
+        denied = uri.replace(gcs_endpoint, proxy.address)
+        env = {"RAYCHAT_OFFLINE": "1", "GOOGLE_APPLICATION_CREDENTIALS": str(key_path)}
+        result = commands.run("raychat.train", "--run-name", "r", "--storage-path", denied, "--eval-bundle",
+                              str(tmp_path / "no-bundle"), env=env, timeout=120)
+    line = one_error_line(result)
+    assert "is not writable: access denied" in line and "GOOGLE_APPLICATION_CREDENTIALS" in line, line
+    # No key file where the variable points: the same advice at once, not a retried metadata server.
+    line = refused_at_start(commands, tmp_path, "--storage-path", uri,
+                            GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "absent.json"))
+    assert "--storage-path" in line and "gcloud auth application-default login" in line, line
+    for output in (result.stdout, result.stderr, line):
+        assert token not in output and not any(s in output for s in secret_lines)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("uri", "words"), [
+    ("gs://b/runs?endpoint=127.0.0.1:1", "unknown query parameter 'endpoint'"),
+    ("gs://user:pass@b/runs", "carries no credentials"),
+    ("gs://b/runs?scheme=ftp", "scheme='ftp' must be http or https"),
+    ("gs://b/runs?anonymous=maybe", "anonymous='maybe' must be true or false"),
+    ("gs://b/runs?retry_limit_seconds=-1", "retry_limit_seconds='-1'"),
+])
+def test_a_malformed_gs_uri_is_refused_in_one_line(uri, words):
+    with pytest.raises(RaychatError) as refused:
+        Storage(uri)
+    message = str(refused.value)
+    assert words in message and "\n" not in message and "pass" not in message.replace("password", "")
