@@ -108,6 +108,8 @@ class Storage:
         return f"{self.root.rstrip('/')}/{name}" if name else self.root
 
     def info(self, name: str = "") -> pafs.FileInfo:
+        if self._scheme == "gs":
+            return gcs.info(self.location, self.path(name))  # pyarrow's takes a fault for "not there"
         return self.fs.get_file_info(self.path(name))
 
     def exists(self, name: str = "") -> bool:
@@ -330,13 +332,22 @@ class Storage:
             # while a moment of throttling is still ridden out.
             retry_transient(lambda: self.write_bytes(probe, b"ok"), f"writing a probe file in {self}",
                             budget_s=PROBE_BUDGET_S)
+            # A run lists its directory (checkpoints, lease epochs): credentials that may write but
+            # not list would fail the first driver step after Ray has started.
+            retry_transient(self.entries, f"listing {self}", budget_s=PROBE_BUDGET_S)
             retry_transient(lambda: self.delete(probe), f"deleting the probe file in {self}",
                             budget_s=PROBE_BUDGET_S)
             if lease:
                 self._check_atomic_create(flag, retry_transient)
-        except (OSError, pa.ArrowException, StorageUnavailable) as e:
-            cause = e.__cause__ if isinstance(e, StorageUnavailable) and e.__cause__ is not None else e
-            reason = self.location.scrub(_storage_reason(cause, "write", self._scheme))
+        except StorageUnavailable as e:
+            from raychat.faults import short_reason
+
+            last = self.location.scrub(short_reason(e.__cause__ or e))
+            raise RaychatError(f"{flag} {self} is not writable now: it answered with transient faults only "
+                               f"(throttling, 5xx, resets) for {PROBE_BUDGET_S:.0f} s, the last {last}; "
+                               "retry when the store recovers") from None
+        except (OSError, pa.ArrowException) as e:
+            reason = self.location.scrub(_storage_reason(e, "write", self._scheme))
             raise RaychatError(f"{flag} {self} is not writable: {reason}") from None
 
     def _check_atomic_create(self, flag: str, retry_transient: Callable) -> None:
@@ -442,7 +453,8 @@ def _storage_reason(error: BaseException, access: str = "write", scheme: str = "
         return ("the store does not implement a request raychat makes (501 NotImplemented; a conditional "
                 "write, say): use S3, or an S3-compatible store that implements it")
     if any(s in lowered for s in ("nosuchbucket", "bucket does not exist", "no such bucket", "not found")) \
-            and "bucket" in lowered:
+            and "bucket" in lowered or (scheme == "gs" and access == "write" and "not_found" in lowered):
+        # (GCS answers a write into a bucket that does not exist with NOT_FOUND; no object is needed)
         return "the bucket does not exist; create it or fix the bucket name"
     if any(s in lowered for s in ("accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
                                   "signaturedoesnotmatch", "credentials")):

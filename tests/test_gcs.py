@@ -203,18 +203,24 @@ def test_gcs_faults_are_sorted_as_s3_faults_and_ridden_out(gcs_endpoint):
 def service_account(tmp_path):
     """A service-account key file (a fresh RSA key) whose token endpoint is a server on 127.0.0.1,
     as GOOGLE_APPLICATION_CREDENTIALS names one: yields (key path, private key text, access token,
-    the token requests seen)."""
+    the token requests' bodies, the endpoint's handler class: set its `refuse` to refuse them)."""
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption()).decode()
     token, seen = f"ya29.secret-{time.time_ns()}", []
 
     class TokenEndpoint(BaseHTTPRequestHandler):
+        refuse = False  # answer as Google does a bad assertion, quoting (as Google does not) what was sent
+
         def do_POST(self):  # noqa: N802 (http.server's name)
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            seen.append(self.path)
-            body = json.dumps({"access_token": token, "expires_in": 3600, "token_type": "Bearer"}).encode()
-            self.send_response(200)
+            sent = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
+            seen.append(sent)
+            if self.refuse:
+                answer = {"error": "invalid_grant", "error_description": f"bad assertion: {sent}"}
+            else:
+                answer = {"access_token": token, "expires_in": 3600, "token_type": "Bearer"}
+            body = json.dumps(answer).encode()
+            self.send_response(400 if self.refuse else 200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -232,7 +238,7 @@ def service_account(tmp_path):
         "client_email": "trainer@raychat-test.iam.gserviceaccount.com", "client_id": "1",
         "token_uri": f"http://127.0.0.1:{server.server_port}/token"}))
     try:
-        yield path, pem, token, seen
+        yield path, pem, token, seen, TokenEndpoint
     finally:
         server.shutdown()
         server.server_close()
@@ -242,7 +248,7 @@ def service_account(tmp_path):
 @pytest.mark.integration  # the GCS emulator, a token server, commands in a reused interpreter
 def test_gcs_credentials_come_from_a_key_file_and_are_never_shown(gcs_endpoint, service_account, commands,
                                                                   tmp_path):
-    key_path, pem, token, seen = service_account
+    key_path, pem, token, seen, endpoint = service_account
     secret_lines = [line for line in pem.splitlines() if "PRIVATE KEY" not in line]
     uri = f"gs://{TEST_BUCKET}/keyed-{time.time_ns()}?endpoint_override={gcs_endpoint}&scheme=http"
     # With the key: the driver's checks pass (the probe, the exclusive create) on its token.
@@ -256,13 +262,33 @@ def test_gcs_credentials_come_from_a_key_file_and_are_never_shown(gcs_endpoint, 
         env = {"RAYCHAT_OFFLINE": "1", "GOOGLE_APPLICATION_CREDENTIALS": str(key_path)}
         result = commands.run("raychat.train", "--run-name", "r", "--storage-path", denied, "--eval-bundle",
                               str(tmp_path / "no-bundle"), env=env, timeout=120)
-    line = one_error_line(result)
-    assert "is not writable: access denied" in line and "GOOGLE_APPLICATION_CREDENTIALS" in line, line
-    # No key file where the variable points: the same advice at once, not a retried metadata server.
-    line = refused_at_start(commands, tmp_path, "--storage-path", uri,
-                            GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "absent.json"))
-    assert "--storage-path" in line and "gcloud auth application-default login" in line, line
-    for output in (result.stdout, result.stderr, line):
+    lines = [one_error_line(result)]
+    assert "is not writable: access denied" in lines[0], lines
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in lines[0], lines
+    # Credentials that may write but not list: refused at start too, not at the lease's first listing.
+    with FaultProxy(gcs_endpoint, seed=0, api="gcs") as proxy:
+        proxy.inject("forbidden", method="GET", match="delimiter=")
+        write_only = uri.replace(gcs_endpoint, proxy.address)
+        lines.append(refused_at_start(commands, tmp_path, "--storage-path", write_only,
+                                      GOOGLE_APPLICATION_CREDENTIALS=str(key_path)))
+        assert proxy.injected["forbidden"] >= 1
+    assert "is not writable: access denied" in lines[-1], lines
+    # The key refused by the token endpoint, which quotes the signed assertion back: access denied,
+    # with the advice, and nothing of what was sent.
+    endpoint.refuse = True
+    refused_uri = uri.replace("keyed-", "refused-")
+    lines.append(refused_at_start(commands, tmp_path, "--storage-path", refused_uri,
+                                  GOOGLE_APPLICATION_CREDENTIALS=str(key_path)))
+    assert "access denied" in lines[-1] and "GOOGLE_APPLICATION_CREDENTIALS" in lines[-1], lines
+    assertions = [body.split("assertion=")[-1][:40] for body in seen if "assertion=" in body]
+    assert assertions and not any(a in line for a in assertions for line in lines)
+    # No key file where the variable points, or a directory (a secret's mount point): one line naming it.
+    for wrong in (tmp_path / "absent.json", tmp_path):
+        lines.append(refused_at_start(commands, tmp_path, "--storage-path", uri,
+                                      GOOGLE_APPLICATION_CREDENTIALS=str(wrong)))
+        assert lines[-1].startswith(f"raychat: error: --storage-path {uri}: GOOGLE_APPLICATION_CREDENTIALS="
+                                    f"{wrong} is "), lines[-1]
+    for output in (result.stdout, result.stderr, *lines):
         assert token not in output and not any(s in output for s in secret_lines)
 
 
@@ -273,6 +299,7 @@ def test_gcs_credentials_come_from_a_key_file_and_are_never_shown(gcs_endpoint, 
     ("gs://b/runs?scheme=ftp", "scheme='ftp' must be http or https"),
     ("gs://b/runs?anonymous=maybe", "anonymous='maybe' must be true or false"),
     ("gs://b/runs?retry_limit_seconds=-1", "retry_limit_seconds='-1'"),
+    ("gs://b/runs?retry_limit_seconds=nan", "retry_limit_seconds='nan' must be a number of seconds from 0"),
 ])
 def test_a_malformed_gs_uri_is_refused_in_one_line(uri, words):
     with pytest.raises(RaychatError) as refused:

@@ -185,7 +185,11 @@ def check_start(cfg: TrainConfig) -> None:
     for flag, location in (("--storage-path", cfg.storage_path), ("--data-dir", cfg.data_dir),
                            ("--tokenizer-dir", cfg.tokenizer_dir)):
         if is_uri(location):
-            Storage(location).check_endpoint(flag)
+            try:
+                storage = Storage(location)
+            except RaychatError as e:  # a URI no filesystem can open: say which flag gave it
+                raise RaychatError(f"{flag} {e}") from None
+            storage.check_endpoint(flag)
 
 
 def prepare_run(cfg: TrainConfig, log: Log = print) -> PreparedRun:

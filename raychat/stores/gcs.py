@@ -17,6 +17,7 @@ default 20, as pyarrow's S3 client gives up after a few tries).
 """
 
 import functools
+import os
 from contextlib import suppress
 from datetime import timedelta
 from urllib.parse import parse_qsl, urlsplit
@@ -49,12 +50,23 @@ def options(location: SafeLocation) -> dict[str, str]:
     if query.get("anonymous", "false").lower() not in ("true", "false", "1", "0"):
         raise RaychatError(f"{location}: anonymous={query['anonymous']!r} must be true or false")
     try:
-        if float(query.get("retry_limit_seconds", RETRY_LIMIT_S)) < 0:
+        if not 0 <= float(query.get("retry_limit_seconds", RETRY_LIMIT_S)) <= 3600:  # (nan fails too)
             raise ValueError
     except ValueError:
         raise RaychatError(f"{location}: retry_limit_seconds={query['retry_limit_seconds']!r} must be a "
-                           "number of seconds >= 0") from None
+                           "number of seconds from 0 to 3600") from None
     return query
+
+
+def _check_key_file(location: SafeLocation) -> None:
+    """GOOGLE_APPLICATION_CREDENTIALS, when set, must name a readable file: pyarrow's client aborts the
+    process (an uncaught C++ exception) on a directory, as a Kubernetes secret mounted at that path is."""
+    path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+        what = "a directory" if os.path.isdir(path) else "not a readable file"
+        raise RaychatError(f"{location}: GOOGLE_APPLICATION_CREDENTIALS={path} is {what}: point it at the "
+                           "service account's key file (a mounted secret's file, not its directory), or "
+                           "unset it to use the machine's own credentials")
 
 
 def _anonymous(query: dict[str, str]) -> bool:
@@ -64,6 +76,8 @@ def _anonymous(query: dict[str, str]) -> bool:
 def filesystem(location: SafeLocation) -> tuple[pafs.GcsFileSystem, str]:
     """pyarrow's filesystem for the location, and the location's path in it ("bucket/prefix")."""
     query = options(location)
+    if not _anonymous(query):
+        _check_key_file(location)
     parts = urlsplit(location.unredacted())
     fs = pafs.GcsFileSystem(
         anonymous=_anonymous(query), scheme=query.get("scheme"),
@@ -123,6 +137,27 @@ def entries(location: SafeLocation, path: str) -> list[pafs.FileInfo]:
     except Exception as e:
         raise fault(e, f"listing gs://{path}") from None
     return sorted(found, key=lambda info: info.path)
+
+
+def info(location: SafeLocation, path: str) -> pafs.FileInfo:
+    """What `path` ("bucket/prefix") is: a file (an object of that name), a directory (objects below
+    it), or not found. pyarrow's answer for a prefix without a marker object lists it, and takes a
+    listing that failed past its own retries for "nothing there": a checkpoint hit by a moment of
+    503s would read as missing, and be skipped or deleted. Here a fault stays a fault."""
+    bucket, key = bucket_and_key(path)
+    try:
+        gcs_bucket = client(location).bucket(bucket)
+        if key and not key.endswith("/"):
+            blob = gcs_bucket.get_blob(key, retry=None, timeout=60)
+            if blob is not None:
+                return pafs.FileInfo(path, pafs.FileType.File, size=blob.size, mtime=blob.updated)
+        prefix = f"{key.rstrip('/')}/" if key else ""
+        below = client(location).list_blobs(bucket, prefix=prefix, max_results=1, retry=None, timeout=60)
+        if next(iter(below), None) is not None or not key:  # the bucket itself is there: it answered
+            return pafs.FileInfo(path, pafs.FileType.Directory)
+    except Exception as e:
+        raise fault(e, f"looking up gs://{path}") from None
+    return pafs.FileInfo(path, pafs.FileType.NotFound)
 
 
 def delete_tree(location: SafeLocation, path: str) -> None:
@@ -196,6 +231,13 @@ def fault(e: Exception, doing: str) -> OSError:
 
     if isinstance(e, PermissionError):
         return e
+    if isinstance(e, google.auth.exceptions.RefreshError):
+        # Exchanging the credentials for a token failed. Its message may quote what the token
+        # endpoint echoed (a signed assertion, good for a token while it lasts): never shown.
+        if getattr(e, "retryable", False):
+            return ConnectionError(f"{doing}: the token endpoint failed (RefreshError)")
+        return PermissionError(f"{doing}: access denied: the credentials were refused when exchanged for "
+                               "a token (RefreshError)")
     # requests' ConnectionError/Timeout/ChunkedEncodingError, google-auth's TransportError, a socket's
     # own: the request got no whole answer.
     if isinstance(e, (requests.RequestException, google.auth.exceptions.TransportError, ConnectionError,
