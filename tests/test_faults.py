@@ -11,7 +11,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import TEST_BUCKET, s3_uri
+from conftest import TEST_BUCKET, gcs_uri, s3_uri
 from helpers import copy_to_bucket, one_error_line
 
 from raychat import faults
@@ -386,20 +386,28 @@ def refused_at_start(commands, tmp_path, *flags: str, **env: str) -> str:
 BACKSTOP = "eval bundle"  # in the line of the refusal that comes after every start-up check here
 
 
-@pytest.mark.integration  # moto's S3 server behind the fault proxy, commands in a reused interpreter
-def test_a_store_that_ignores_if_none_match_cannot_hold_a_run(proxy, commands, tmp_path):
+@pytest.mark.integration  # moto's S3 server or the GCS emulator behind the fault proxy, a reused interpreter
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_a_store_that_ignores_the_create_precondition_cannot_hold_a_run(store, request, commands, tmp_path):
     """The lease's atomic create, proved by the driver before any worker starts: through a store that
-    drops If-None-Match (moto behind the proxy), the same file is "created" twice, and the run is
-    refused in one line; the honest store passes; abfs:// is refused before any request (GCS's own
-    lying-store case: tests/test_gcs.py)."""
-    honest = s3_uri(proxy.address, f"honest-{time.time_ns()}")
-    assert BACKSTOP in refused_at_start(commands, tmp_path, "--storage-path", honest)
-    proxy.inject("drop_conditions")
-    liar = s3_uri(proxy.address, f"liar-{time.time_ns()}")
-    line = refused_at_start(commands, tmp_path, "--storage-path", liar)
-    assert f"--storage-path {liar} cannot give the run its lease (one writer per run)" in line, line
-    assert "If-None-Match" in line and proxy.injected["drop_conditions"] >= 2
-    assert not Storage(liar).files()  # the scratch file deleted
+    drops the precondition (S3's If-None-Match, GCS's ifGenerationMatch: the proxy takes it out), the
+    same file is "created" twice, and the run is refused in one line; the honest store passes."""
+    endpoint = request.getfixturevalue(f"{store}_endpoint")
+    uri = s3_uri if store == "s3" else gcs_uri
+    with FaultProxy(endpoint, seed=0, api=store) as proxy:
+        honest = uri(proxy.address, f"honest-{time.time_ns()}")
+        assert BACKSTOP in refused_at_start(commands, tmp_path, "--storage-path", honest)
+        proxy.inject("drop_conditions")
+        liar = uri(proxy.address, f"liar-{time.time_ns()}")
+        line = refused_at_start(commands, tmp_path, "--storage-path", liar)
+        assert f"--storage-path {liar} cannot give the run its lease (one writer per run)" in line, line
+        assert "precondition" in line and proxy.injected["drop_conditions"] >= 2
+        proxy.clear()
+        assert not Storage(liar).files()  # the scratch file deleted
+
+
+@pytest.mark.integration  # commands in a reused interpreter
+def test_a_store_without_an_atomic_create_is_refused_before_any_request(commands, tmp_path):
     uri = "abfs://container@account.dfs.core.windows.net/runs"
     line = refused_at_start(commands, tmp_path, "--storage-path", uri)
     assert "--storage-path" in line and "cannot give a run its lease (one writer per run)" in line, line

@@ -1,8 +1,9 @@
 """gs:// as a user on GCP keeps runs: corpus, tokenizer and runs in a bucket, a run resumed from it,
-the lease's atomic create (a generation precondition) raced and proved at start, GCS's faults sorted
-as S3's are, and credentials (a service-account key, found as Application Default Credentials) used
-and never shown. Against a GCS JSON API on 127.0.0.1 (testkit.gcs_server: gcp-storage-emulator,
-made to honour ifGenerationMatch) and, for the faults, testkit.fault_proxy in front of it."""
+the lease's atomic create (a generation precondition) raced (a store that ignores it is refused:
+tests/test_faults.py), GCS's faults sorted as S3's are, and credentials (a service-account key,
+found as Application Default Credentials) used and never shown. Against a GCS JSON API on
+127.0.0.1 (testkit.gcs_server: gcp-storage-emulator, made to honour ifGenerationMatch) and, for the
+faults, testkit.fault_proxy in front of it."""
 
 import json
 import random
@@ -135,23 +136,6 @@ def test_an_exclusive_create_has_one_winner_among_racing_threads(gcs_endpoint):
     for t in threads:
         t.join()
     assert len(won) == 1 and run.read_replaceable("epoch_000001.json") == f"writer {won[0]}".encode()
-
-
-@pytest.mark.integration  # the GCS emulator behind the fault proxy, commands in a reused interpreter
-def test_a_gcs_store_that_ignores_the_generation_precondition_cannot_hold_a_run(gcs_endpoint, commands,
-                                                                               tmp_path):
-    """The emulator as shipped ignores ifGenerationMatch; here the proxy drops it: both scratch creates
-    "succeed", and the driver refuses the run in one line before any worker starts."""
-    with FaultProxy(gcs_endpoint, seed=0, api="gcs") as proxy:
-        honest = gcs_uri(proxy.address, f"honest-{time.time_ns()}")
-        assert BACKSTOP in refused_at_start(commands, tmp_path, "--storage-path", honest)
-        proxy.inject("drop_conditions")
-        liar = gcs_uri(proxy.address, f"liar-{time.time_ns()}")
-        line = refused_at_start(commands, tmp_path, "--storage-path", liar)
-        assert f"--storage-path {liar} cannot give the run its lease (one writer per run)" in line, line
-        assert "precondition" in line and proxy.injected["drop_conditions"] >= 2
-        proxy.clear()
-        assert not Storage(liar).files()  # the scratch file deleted
 
 
 @pytest.mark.integration  # the GCS emulator behind the fault proxy
