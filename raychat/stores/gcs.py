@@ -26,7 +26,7 @@ import pyarrow.fs as pafs
 
 from raychat.common import RaychatError, require_extra
 from raychat.locations import SafeLocation
-from raychat.stores import bucket_and_key, endpoint_override
+from raychat.stores.uri import bucket_and_key, endpoint_override
 
 QUERY = ("endpoint_override", "scheme", "anonymous", "project_id", "retry_limit_seconds")
 RETRY_LIMIT_S = 20.0

@@ -5,7 +5,7 @@ replaced in between. boto3 is imported when a bucket is first used."""
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from raychat.locations import SafeLocation
-from raychat.stores import bucket_and_key, endpoint_override
+from raychat.stores.uri import bucket_and_key, endpoint_override
 
 
 def create_exclusive(location: SafeLocation, path: str, data: bytes, shown: str) -> bool:
