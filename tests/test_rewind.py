@@ -258,6 +258,7 @@ def test_a_rewinds_save_at_a_step_the_run_has_never_writes_over_that_checkpoint(
     saver.close()
     ours = run.child(checkpoint_dir_name(30, lineage_suffix(rewinding.epoch)))
     ours.delete(MANIFEST_FILE)  # it died before its manifest
+    fence.lease_dir(run).delete(fence.trained_file(rewinding.epoch))  # so never marked its epoch trained
     rewinding.release()
     assert all_files(run.child(checkpoint_dir_name(30))) == thirty
     assert latest_valid_checkpoint(run, log=QUIET).name == "checkpoint_000050"

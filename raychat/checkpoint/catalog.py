@@ -144,11 +144,18 @@ class _Survey:
 
     def _trained_epochs(self, records: list[fence.LeaseRecord]) -> set[int]:
         """Epochs that rewound (resumed below their floor) and have since saved a whole checkpoint
-        that no later epoch disowns. Only these rewinds bind; the others are not asked about."""
+        that no later epoch disowns: marked so by their saver (fence.mark_trained), or, for runs from
+        before the mark, with one still whole. Only these rewinds bind; the others are not asked about."""
         late = superseded(records)  # floors only: a superseded writer's late save trains nothing
+        marked = fence.trained_marks(self.run) if any(r.resumed is not None for r in records) else set()
         trained = set()
         for record in records:
             if record.resumed is None or record.resumed >= record.floor:
+                continue
+            own_late = any(late(record.epoch, f.meta.sequence) for f in self.found
+                           if f.meta is not None and f.meta.lease_epoch == record.epoch)
+            if record.epoch in marked and not own_late:
+                trained.add(record.epoch)
                 continue
             own = [f for f in self.found if f.meta is not None and f.meta.lease_epoch == record.epoch
                    and not late(record.epoch, f.meta.sequence)]

@@ -15,7 +15,10 @@ the epoch was created), and once its driver has chosen, the sequence it resumed 
 A checkpoint of an older epoch numbered above the floor was written after the takeover: it is never
 chosen and never counted (`superseded`). One numbered above `resumed` lies on a branch that a
 `--resume-from-step` rewound past, and is disowned the same way only once the rewound run has saved
-a whole checkpoint of its own: a rewind that never trained replaced nothing, and hides nothing.
+a whole checkpoint of its own: a rewind that never trained replaced nothing, and hides nothing. That
+first whole save is recorded at once (`lease/trained_<n>.json`, `mark_trained`), so the abandoned
+branch stays abandoned even if that checkpoint is later damaged or deleted: the branch the run
+trained on from there is the run's, and a damaged newest checkpoint falls back along it.
 Holder liveness (the heartbeat in each record) is raychat.elastic.lease's concern.
 """
 
@@ -31,6 +34,7 @@ from raychat.storage import Storage
 
 LEASE_DIR = "lease"
 _PREFIX, _SUFFIX = "epoch_", ".json"
+_TRAINED = "trained_"
 MAX_HEARTBEAT_S = 600.0  # a holder silent for three beats longer than this is not a holder
 
 
@@ -42,9 +46,9 @@ def epoch_file(epoch: int) -> str:
     return f"{_PREFIX}{epoch:08d}{_SUFFIX}"
 
 
-def _epoch_of(name: str) -> int | None:
-    digits = name[len(_PREFIX):-len(_SUFFIX)]
-    ok = name.startswith(_PREFIX) and name.endswith(_SUFFIX) and digits.isdigit()
+def _epoch_of(name: str, prefix: str = _PREFIX) -> int | None:
+    digits = name[len(prefix):-len(_SUFFIX)]
+    ok = name.startswith(prefix) and name.endswith(_SUFFIX) and digits.isdigit()
     return int(digits) if ok else None
 
 
@@ -134,6 +138,24 @@ def epochs(run: Storage, log: Callable[[str], None] | None = None,
     kwargs = {"log": log} if log is not None else {}
     infos = retry_transient(directory.entries, f"listing {directory}", budget_s=budget_s, **kwargs)
     return sorted(e for e in (_epoch_of(info.base_name) for info in infos) if e is not None)
+
+
+def trained_file(epoch: int) -> str:
+    return f"{_TRAINED}{epoch:08d}{_SUFFIX}"
+
+
+def mark_trained(run: Storage, epoch: int) -> None:
+    """Record that `epoch` has saved a whole checkpoint of its own (its saver calls this after its
+    first manifest). Created once, exclusively; a mark already there is this epoch's own."""
+    directory, name = lease_dir(run), trained_file(epoch)
+    retry_transient(lambda: directory.create_exclusive(name, b"{}"), f"creating {directory.child(name)}")
+
+
+def trained_marks(run: Storage) -> set[int]:
+    """The epochs that recorded a whole save of their own (`mark_trained`)."""
+    directory = lease_dir(run)
+    infos = retry_transient(directory.entries, f"listing {directory}")
+    return {e for e in (_epoch_of(info.base_name, _TRAINED) for info in infos) if e is not None}
 
 
 def read_record(run: Storage, epoch: int, log: Callable[[str], None] | None = None) -> LeaseRecord:

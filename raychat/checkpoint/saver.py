@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from raychat.checkpoint.catalog import highest_sequence, prune_checkpoints, step_of
-from raychat.checkpoint.fence import Fence, LeaseLost
+from raychat.checkpoint.fence import Fence, LeaseLost, mark_trained
 from raychat.checkpoint.format import checkpoint_dir_name
 from raychat.checkpoint.meta import CheckpointMeta
 from raychat.checkpoint.sharded import Piece, finish_checkpoint, prepare_overwrite, write_rank
@@ -158,6 +158,7 @@ class CheckpointSaver:
         # The run lease's fencing token: rank 0 checks it before a checkpoint's first shared file
         # and before every prune, and stamps it into each meta (raychat.checkpoint.fence).
         self.fence = fence or Fence(run, 0)
+        self._marked = False  # this epoch's first whole save recorded (fence.mark_trained)
         self.writer = AsyncCheckpointWriter()
         self._pending_step: int | None = None
         self.latest_step: int | None = None  # the newest checkpoint known to be whole (this rank's part)
@@ -222,6 +223,9 @@ class CheckpointSaver:
                 # a superseded writer never closes a checkpoint (each write of it fenced)
                 finish_checkpoint(directory, world, token, meta_bytes, fence=self.fence)
                 self.fence.check()  # nor deletes one
+                if not self._marked and self.fence.epoch > 0:
+                    mark_trained(self.run, self.fence.epoch)  # a rewind's abandoned branch, for good
+                    self._marked = True
                 protect = {directory.name, self.resumed_from}
                 prune_checkpoints(self.run, self.keep, log=self.log, protect=protect, fence=self.fence)
         else:
