@@ -290,3 +290,12 @@ def test_a_malformed_gs_uri_is_refused_in_one_line(uri, words):
         Storage(uri)
     message = str(refused.value)
     assert words in message and "\n" not in message and "pass" not in message.replace("password", "")
+
+
+@pytest.mark.unit
+def test_a_gs_path_is_percent_decoded_as_an_s3_path_is():
+    """A '#' or a space in a prefix is written %23 or %20 in a URI (raychat.locations.check_uri says
+    so); both stores name the object with the character, not the escape."""
+    gs = Storage("gs://b/pct%20x%23y?anonymous=true").root
+    s3 = Storage("s3://b/pct%20x%23y?endpoint_override=127.0.0.1:1&scheme=http").root
+    assert gs == s3 == "b/pct x#y"

@@ -20,7 +20,7 @@ import functools
 import os
 from contextlib import suppress
 from datetime import timedelta
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import pyarrow.fs as pafs
 
@@ -83,7 +83,8 @@ def filesystem(location: SafeLocation) -> tuple[pafs.GcsFileSystem, str]:
         anonymous=_anonymous(query), scheme=query.get("scheme"),
         endpoint_override=query.get("endpoint_override"), project_id=query.get("project_id"),
         retry_time_limit=timedelta(seconds=float(query.get("retry_limit_seconds", RETRY_LIMIT_S))))
-    return fs, f"{parts.netloc}{parts.path}".rstrip("/")
+    # The path percent-decoded, as pyarrow's own URI parsing does for s3:// (a %23 names a '#')
+    return fs, f"{parts.netloc}{unquote(parts.path)}".rstrip("/")
 
 
 endpoint = endpoint_override
