@@ -317,7 +317,7 @@ class Storage:
         Called before any worker starts, so an unreachable endpoint, a missing bucket, missing
         credentials, a refused write or a store that cannot give a run its lease costs seconds, not a run.
         """
-        from raychat.faults import check_settings, retry_transient  # (it imports nothing of storage)
+        from raychat.faults import check_settings, retry_transient, short_reason  # (imports no storage)
 
         check_settings()  # the retry budget below, and the run's, read from the environment
         if lease and not self.creates_exclusively:
@@ -340,8 +340,6 @@ class Storage:
             if lease:
                 self._check_atomic_create(flag, retry_transient)
         except StorageUnavailable as e:
-            from raychat.faults import short_reason
-
             last = self.location.scrub(short_reason(e.__cause__ or e))
             raise RaychatError(f"{flag} {self} is not writable now: it answered with transient faults only "
                                f"(throttling, 5xx, resets) for {PROBE_BUDGET_S:.0f} s, the last {last}; "
@@ -452,9 +450,9 @@ def _storage_reason(error: BaseException, access: str = "write", scheme: str = "
     if any(s in lowered for s in ("notimplemented", "not_implemented", "not implemented", "status 501")):
         return ("the store does not implement a request raychat makes (501 NotImplemented; a conditional "
                 "write, say): use S3, or an S3-compatible store that implements it")
-    if any(s in lowered for s in ("nosuchbucket", "bucket does not exist", "no such bucket", "not found")) \
-            and "bucket" in lowered or (scheme == "gs" and access == "write" and "not_found" in lowered):
-        # (GCS answers a write into a bucket that does not exist with NOT_FOUND; no object is needed)
+    # (GCS answers a write into a bucket that does not exist with NOT_FOUND: no object is needed)
+    if (any(s in lowered for s in ("nosuchbucket", "bucket does not exist", "no such bucket", "not found"))
+            and "bucket" in lowered) or (scheme == "gs" and access == "write" and "not_found" in lowered):
         return "the bucket does not exist; create it or fix the bucket name"
     if any(s in lowered for s in ("accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
                                   "signaturedoesnotmatch", "credentials")):

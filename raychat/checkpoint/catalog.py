@@ -147,19 +147,15 @@ class _Survey:
         that no later epoch disowns: marked so by their saver (fence.mark_trained), or, for runs from
         before the mark, with one still whole. Only these rewinds bind; the others are not asked about."""
         late = superseded(records)  # floors only: a superseded writer's late save trains nothing
-        marked = fence.trained_marks(self.run) if any(r.resumed is not None for r in records) else set()
+        rewinds = [r for r in records if r.resumed is not None and r.resumed < r.floor]
+        marked = fence.trained_marks(self.run) if rewinds else set()
         trained = set()
-        for record in records:
-            if record.resumed is None or record.resumed >= record.floor:
-                continue
-            own_late = any(late(record.epoch, f.meta.sequence) for f in self.found
-                           if f.meta is not None and f.meta.lease_epoch == record.epoch)
-            if record.epoch in marked and not own_late:
-                trained.add(record.epoch)
-                continue
-            own = [f for f in self.found if f.meta is not None and f.meta.lease_epoch == record.epoch
-                   and not late(record.epoch, f.meta.sequence)]
-            if any(damage(f.directory) is None for f in sorted(own, key=lambda f: -f.meta.sequence)):
+        for record in rewinds:
+            own = [f for f in self.found if f.meta is not None and f.meta.lease_epoch == record.epoch]
+            timely = [f for f in own if not late(record.epoch, f.meta.sequence)]
+            marked_in_time = record.epoch in marked and len(timely) == len(own)
+            if marked_in_time or any(damage(f.directory) is None
+                                     for f in sorted(timely, key=lambda f: -f.meta.sequence)):
                 trained.add(record.epoch)
         return trained
 

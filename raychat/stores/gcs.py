@@ -1,7 +1,8 @@
 """Google Cloud Storage natively (`gs://bucket/prefix`): pyarrow's GcsFileSystem for every read and
-write (what Ray Train and Ray Data use for gs:// too), google-cloud-storage for the two requests
-pyarrow does not expose: a create with `ifGenerationMatch=0` (GCS's atomic "only if absent", what a
-run's lease rests on) and one whole read of one generation.
+write (what Ray Train and Ray Data use for gs:// too), google-cloud-storage for what pyarrow does not
+offer: a create with `ifGenerationMatch=0` (GCS's atomic "only if absent", what a run's lease rests
+on), one whole read of one generation, and lookups, listings and deletes by prefix (pyarrow's see a
+"directory" only where a marker object was written, and take a failed listing for "not there").
 
 Why these two clients: pyarrow's is already in every process and streams large objects well;
 google-cloud-storage is Google's own client for the JSON API's preconditions (obstore has them too,
@@ -147,13 +148,13 @@ def info(location: SafeLocation, path: str) -> pafs.FileInfo:
     503s would read as missing, and be skipped or deleted. Here a fault stays a fault."""
     bucket, key = bucket_and_key(path)
     try:
-        gcs_bucket = client(location).bucket(bucket)
+        gcs = client(location)
         if key and not key.endswith("/"):
-            blob = gcs_bucket.get_blob(key, retry=None, timeout=60)
+            blob = gcs.bucket(bucket).get_blob(key, retry=None, timeout=60)
             if blob is not None:
                 return pafs.FileInfo(path, pafs.FileType.File, size=blob.size, mtime=blob.updated)
         prefix = f"{key.rstrip('/')}/" if key else ""
-        below = client(location).list_blobs(bucket, prefix=prefix, max_results=1, retry=None, timeout=60)
+        below = gcs.list_blobs(bucket, prefix=prefix, max_results=1, retry=None, timeout=60)
         if next(iter(below), None) is not None or not key:  # the bucket itself is there: it answered
             return pafs.FileInfo(path, pafs.FileType.Directory)
     except Exception as e:
