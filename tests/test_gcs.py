@@ -147,9 +147,12 @@ def test_gcs_faults_are_sorted_as_s3_faults_and_ridden_out(gcs_endpoint):
         # pyarrow's client retries for retry_limit_seconds itself: 10 ms here, so the faults reach us
         store = Storage(gcs_uri(proxy.address, f"faults-{time.time_ns()}") + "&retry_limit_seconds=0.01")
         store.write_bytes("a.json", b"{}")
+        store.child("checkpoint_000001").write_bytes("meta.json", b"{}")
         paths = {"read": lambda: store.read_bytes("a.json"), "write": lambda: store.write_bytes("b", b"x"),
                  "list": store.files, "whole read": lambda: store.read_replaceable("a.json"),
-                 "create": lambda: store.create_exclusive(f"c{time.time_ns()}", b"1")}
+                 "create": lambda: store.create_exclusive(f"c{time.time_ns()}", b"1"),
+                 # a directory without a marker: pyarrow's lookup took a failed listing for "not there"
+                 "lookup": lambda: store.is_dir("checkpoint_000001")}
         sorted_faults = 0
         for kind in ("slowdown", "error500", "cut", "forbidden", "notimplemented"):
             for name, path in paths.items():
