@@ -15,6 +15,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import TEST_BUCKET, gcs_uri
 from cryptography.hazmat.primitives import serialization
@@ -184,6 +186,49 @@ def test_gcs_faults_are_sorted_as_s3_faults_and_ridden_out(gcs_endpoint):
         except OSError as e:
             missing = e
         assert isinstance(missing, FileNotFoundError) and is_missing(missing) and not is_transient(missing)
+
+
+# The loader's read of one row group, in its own interpreter: pyarrow's GCS file holds the GIL while
+# `size()` starts the object's download, so a proxy in the test's own process could never answer it
+# (the client and the proxy deadlock; a real endpoint is always another process).
+READ_ROW_GROUP = """
+import sys
+from raychat.common import RaychatError
+from raychat.corpus.files import read_row_group
+try:
+    texts = read_row_group(sys.argv[1], "shard_00000.parquet", 1).to_pylist()
+    print(len(texts), texts[0])
+except RaychatError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.integration  # the GCS emulator behind the fault proxy, a subprocess per read
+def test_a_row_group_read_from_gcs_rides_out_stalls_resets_and_cut_bodies(gcs_endpoint):
+    """The loader's range reads (a footer, then a column chunk) of a shard in GCS, through a
+    stalled endpoint, a reset connection and a cut body, return the row group's documents; a
+    refused read is one line naming the shard."""
+    prefix = f"reads-{time.time_ns()}"
+    table = pa.table({"text": [f"doc {i}" for i in range(40)]})
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer, row_group_size=10)
+    Storage(gcs_uri(gcs_endpoint, prefix)).write_bytes("shard_00000.parquet", buffer.getvalue().to_pybytes())
+    with FaultProxy(gcs_endpoint, seed=0, api="gcs") as proxy:
+        for kind, window in (("stall", {"seconds": 2.0}), ("reset", {"count": 2}), ("cut", {"count": 2}),
+                             ("forbidden", {"seconds": 60.0})):
+            fault = proxy.inject(kind, method="GET", **window)
+            # pyarrow's client retries for retry_limit_seconds itself: 10 ms here, so the faults reach raychat
+            corpus = gcs_uri(proxy.address, prefix) + "&retry_limit_seconds=0.01"
+            done = subprocess.run([sys.executable, "-c", READ_ROW_GROUP, corpus],
+                                  capture_output=True, text=True, timeout=120, cwd=ROOT)
+            proxy.clear()
+            assert done.returncode == 0 and fault.hits >= 1, (kind, fault.hits, done.stderr[-2000:])
+            if kind == "forbidden":
+                line = done.stdout.strip()
+                assert line.startswith("refused:") and "\n" not in line, line
+                assert f"gs://{TEST_BUCKET}/{prefix}/shard_00000.parquet: row group 1" in line, line
+            else:
+                assert done.stdout.strip() == "10 doc 10", (kind, done.stdout, done.stderr[-2000:])
 
 
 @pytest.fixture

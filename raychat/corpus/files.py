@@ -29,7 +29,6 @@ TAIL_BYTES = 64 * 1024    # one range request fetches the footer of a shard of C
 CHECK_HINT = "check it with `python -m raychat.corpus check --deep DATA_DIR`"
 
 
-@functools.lru_cache(maxsize=16)
 @functools.lru_cache(maxsize=8)
 def corpus_storage(location: str) -> Storage:
     """The corpus directory's Storage, one per location and process: a read task reuses its S3 client,
