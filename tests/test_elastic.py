@@ -222,6 +222,9 @@ def test_lose_a_node_shrink_get_it_back_grow(cluster, tiny_corpus, tmp_path):
     run = Storage(storage).child("elastic")
     starts = [r for r in parse_records(run.read_text(METRICS_FILE)) if r["kind"] == "start"]
     assert [r["storage_read_bytes"] == 0 for r in starts] == [True, True, False], starts
+    # The shrink started one group, of 2: the lost node, listed alive until the GCS's health checks
+    # gave up on it, was not counted (a group of 3 would wait out the start timeout, then fail).
+    assert [r.get("failed_starts") for r in starts[1:]] == [0, 0], starts
 
     # Exactly once: the final timeline trained every epoch-1 document once (or holds it in flight).
     final = read_meta(latest_valid_checkpoint(run))

@@ -62,3 +62,28 @@ def test_the_coordinator_measures_a_restart_and_judges_grows_by_the_steps_left(r
         assert 1 <= restart_s <= 3, late.line
     finally:
         stop_coordinator(session)
+
+
+@pytest.mark.ray
+def test_a_live_node_counts_for_workers_and_a_silent_raylet_does_not(ray_session):
+    """The elastic policy counts the workers that fit on nodes whose raylet answers (this machine's,
+    on the session's Ray); an address that accepts no connection (a port nothing listens on: a
+    raylet gone with its machine) is silent. End to end in test_elastic: a lost node's restart,
+    before the GCS declares the node dead, starts one group."""
+    import socket
+
+    from ray.train import ScalingConfig
+
+    from raychat.elastic.controller import GrowWhenItPays, silent_raylets, unreachable_nodes
+
+    here = ray.get_runtime_context().get_node_id()
+    assert unreachable_nodes([here]) == set()
+    policy = GrowWhenItPays(ScalingConfig(num_workers=(1, 4), resources_per_worker={"CPU": 1}), "session")
+    assert policy._count_possible_workers({here: {"CPU": 2.0}}) == 2
+    (node,) = [n for n in ray.nodes() if n["NodeID"] == here]
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    raylets = {"live": (node["NodeManagerAddress"], node["NodeManagerPort"]), "gone": ("127.0.0.1", port)}
+    assert silent_raylets(raylets) == {"gone"}

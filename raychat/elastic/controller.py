@@ -18,8 +18,10 @@ redone)".
 
 import contextlib
 import json
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
@@ -40,6 +42,7 @@ from raychat.storage import Storage
 from raychat.telemetry.console import log_line
 
 SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
+RAYLET_PROBE_S = 1.0  # a raylet accepting no connection within this is gone (unreachable_nodes)
 RESERVATION_FILE = "raychat_reservation.json"  # in the run directory: the controller's resource request
 
 
@@ -76,7 +79,7 @@ class GrowWhenItPays(ElasticScalingPolicy):
     and the verdict is said once; `always` (--grow always) says it and grows anyway. After a veto
     the policy asks the autoscaler for no more workers than the group has, so nodes it will not use
     are not held for it. Shrinks, and a grow Ray decides before anything is measured, stand as Ray
-    decides them."""
+    decides them. Nor does it count workers on a node that is already gone (`_count_possible_workers`)."""
 
     def __init__(self, scaling_config, session: str, always: bool = False):
         super().__init__(scaling_config)
@@ -86,6 +89,18 @@ class GrowWhenItPays(ElasticScalingPolicy):
     def _get_num_workers_for_resource_request(self) -> int:
         wanted = super()._get_num_workers_for_resource_request()
         return wanted if self.held_at is None else min(wanted, self.held_at)
+
+    def _count_possible_workers(self, reserved_resources: dict) -> int:
+        """Ray's count of the workers that fit, less the nodes that are already gone but still listed.
+
+        A node that dies is listed alive until the GCS's health checks give up on it (3 s with the
+        cluster configs' settings, 15 s with Ray's defaults), and the controller notices its workers
+        die before that. Counted, it makes the restart ask for the old size, wait out
+        RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S for a worker that cannot start and only then start the
+        smaller group: two worker-group starts per loss. A node whose raylet refuses a connection
+        (or takes longer than RAYLET_PROBE_S to accept one) is not counted."""
+        gone = unreachable_nodes(reserved_resources)
+        return super()._count_possible_workers({n: r for n, r in reserved_resources.items() if n not in gone})
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
@@ -120,15 +135,18 @@ def grow_when_it_pays(controller_kwargs: dict, session: str, always: bool = Fals
 
 class NoteRestart(ControllerCallback):
     """Tell the run's coordinator when the controller starts a restart (it noticed a failure) or a
-    resize: the time ledger's end of detection (raychat.telemetry.ledger)."""
+    resize, the time ledger's end of detection (raychat.telemetry.ledger), and when a new group
+    failed to start (ReschedulingState): the next attempt's start record counts those."""
 
     def __init__(self, session: str):
         self.session = session
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
-        if isinstance(current_state, (RestartingState, ResizingState)):
-            with contextlib.suppress(ValueError, ray.exceptions.RayError):  # the ledger only loses a split
+        with contextlib.suppress(ValueError, ray.exceptions.RayError):  # the ledger only loses a split
+            if isinstance(current_state, (RestartingState, ResizingState)):
                 ray.get_actor(coordinator_name(self.session)).restart_noticed.remote(time.time())
+            elif isinstance(current_state, ReschedulingState):
+                ray.get_actor(coordinator_name(self.session)).start_failed.remote()
 
 
 class FreshClusterView(ControllerCallback):
@@ -139,11 +157,40 @@ class FreshClusterView(ControllerCallback):
     a node dies it still lists that node, so the controller asks for the old size and waits out
     RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S for resources that are gone (`python -m bench.recovery
     --timeline` shows the wait). Asking the coordinator to re-read once when the controller starts
-    a restart (or reschedules after such a timeout) removes that wait."""
+    a restart (or reschedules after such a timeout) removes that wait, once the GCS has declared
+    the node dead; until then GrowWhenItPays leaves out a node whose raylet is gone."""
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         if isinstance(current_state, (RestartingState, ReschedulingState)):
             refresh_cluster_view()
+
+
+def unreachable_nodes(node_ids: Iterable[str], probe_s: float = RAYLET_PROBE_S) -> set[str]:
+    """The nodes among `node_ids` that the GCS lists alive but whose raylet accepts no TCP connection
+    within `probe_s`: dead in all but name (a raylet killed with its machine, a host reclaimed). A
+    node the GCS already lists dead, or does not list, is Ray's own business and is left as it is."""
+    wanted = set(node_ids)
+    return silent_raylets({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in ray.nodes()
+                           if n.get("Alive") and n.get("NodeID") in wanted and n.get("NodeManagerPort")},
+                          probe_s)
+
+
+def silent_raylets(raylets: dict[str, tuple[str, int]], probe_s: float = RAYLET_PROBE_S) -> set[str]:
+    """The keys of `raylets` (node: host and port) whose address accepts no TCP connection within
+    `probe_s`, probed at once. A live raylet accepts at once, even a busy one: the kernel answers."""
+    if not raylets:
+        return set()
+
+    def refuses(address: tuple[str, int]) -> bool:
+        try:
+            socket.create_connection(address, timeout=probe_s).close()
+            return False
+        except OSError:
+            return True
+
+    with ThreadPoolExecutor(max_workers=min(32, len(raylets))) as pool:
+        answers = dict(zip(raylets, pool.map(refuses, raylets.values()), strict=True))
+    return {node for node, silent in answers.items() if silent}
 
 
 def refresh_cluster_view() -> None:

@@ -41,6 +41,7 @@ class Attempt(Record):
     notice_step: int | None  # the step it saved on a preemption notice
     last_progress: float | None  # when it last finished a step
     noticed: float | None  # when the controller began the restart or resize
+    failed_starts: int = 0  # worker groups that failed to start between it and this one (Ray retried)
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Coordinator:
         self.notice_step: int | None = None  # the step saved on a preemption notice, this attempt
         self.last_progress: float | None = None  # when the current attempt last finished a step
         self.noticed: float | None = None  # when the controller last began a restart or resize
+        self.failed_starts = 0  # worker groups that failed to start since the current attempt began
         self.attempts = 0
         self.total_steps: int | None = None  # the run's last step + 1
         self.start_step = 0  # the step the current attempt started at
@@ -170,6 +172,11 @@ class Coordinator:
         """The controller began restarting or resizing the group (`NoteRestart`), at `at`."""
         self.noticed = at
 
+    def start_failed(self) -> None:
+        """A new worker group failed to start and the controller is scheduling another (`NoteRestart`):
+        a restart that costs two group starts or more."""
+        self.failed_starts += 1
+
     def finish(self, result: FinalResult) -> None:
         """Rank 0's last report: Ray Train hands the driver only metrics reported with a checkpoint,
         and raychat writes its checkpoints itself. A resize request still open (it came at the last
@@ -192,7 +199,8 @@ class Coordinator:
         this attempt's workers began their setup."""
         previous = Attempt(attempt=self.attempts, last_step=self.last_step, world_size=self.world_size,
                            planned_step=self.saved_step, notice_step=self.notice_step,
-                           last_progress=self.last_progress, noticed=self.noticed)
+                           last_progress=self.last_progress, noticed=self.noticed,
+                           failed_starts=self.failed_starts)
         if self.attempts:  # a restart costs from the controller's notice (else the old group's last step)
             self.began = self.noticed or self.last_progress
             self.began_kind = "planned" if self.saved_step is not None else "failure"
@@ -204,6 +212,7 @@ class Coordinator:
         self.said_grow.clear()
         self.last_step, self.world_size, self.saved_step, self.notice_step = None, world_size, None, None
         self.last_progress = self.noticed = None
+        self.failed_starts = 0
         # A planned-resize request the old group never answered (it came at the last step, or the
         # save outlasted the controller's wait) belongs to that group: the new one must not save and
         # sleep for it, nor log a later real failure as a planned resize.

@@ -213,7 +213,7 @@ def _start_attempt(config: WorkerRunConfig, state: LoopState, resumed_from: str 
     state.redone_steps += start.redone_steps
     return AttemptStarted(ElasticSignals(coordinator), previous.attempt,
                           {"noticed": previous.noticed, "last_progress": previous.last_progress,
-                           "last_progress_step": previous.last_step})
+                           "last_progress_step": previous.last_step, "failed_starts": previous.failed_starts})
 
 
 def _publisher(me: _Rank, cfg: TrainConfig, plan: Plan, run: Storage, fence: Fence, wandb: WandbLogger | None,
@@ -264,6 +264,15 @@ def setup(config: WorkerRunConfig) -> "Attempt":
     start-up and the tokenizing of the packer's first documents overlap building and restoring the
     model."""
     setup_started = time.time()  # the time ledger's end of rescheduling and start of restore
+    # Where the restore's time goes, every second of it from setup_started (the attempt's start
+    # record; raychat.report shows the ledger, bench.goodput takes the undisturbed run's sum for a floor).
+    phases: dict[str, float] = {}
+    lap = [setup_started]
+
+    def done(phase: str) -> None:
+        now = time.time()
+        phases[phase], lap[0] = round(now - lap[0], 3), now
+
     cfg = config.train_config
     me = _this_rank()
     nccl = NcclReport.watch(me.device.type, me.world_size, me.local_world_size, me.rank)  # before collectives
@@ -273,8 +282,10 @@ def setup(config: WorkerRunConfig) -> "Attempt":
         use_run_cache_dir(run)  # before the probe compiles: inductor fixes its directory at first use
     if use_compile and not config.compile_checked:
         probe_compile(me.device)  # one line instead of a traceback at the first forward
+    done("compile_probe")
     where = f"rank {me.rank} ({ray.util.get_node_ip_address()})"
     tokenizer = _the_drivers_tokenizer(cfg.tokenizer_dir, config.tokenizer_fingerprint, where)
+    done("tokenizer")
     plan = config.plan.at_world_size(me.world_size)  # the driver's, dealt to this group
     plan = _fit_to_device(plan, cfg, me, use_compile)
     # A group Ray restarted after its driver lost the run's lease ends here, before it reads or
@@ -282,20 +293,13 @@ def setup(config: WorkerRunConfig) -> "Attempt":
     fence = Fence(run, config.lease_epoch)
     newer = me.gather(fence.newer() if me.rank == 0 else None)[0]
     nccl.report(me.log)  # that first collective made NCCL's communicator: its network is in the report now
+    done("fence")  # the lease read and the group's first collective
     if newer is not None:
         raise LeaseLost(f"run {run} is held by a newer driver (lease epoch {newer}, this group's "
                         f"{fence.epoch}): this worker group stops without training")
     index: CorpusIndex = ray.get(config.corpus_index)   # the driver's, from the footers: no listing here
     confirm_identity(index, where)
-    # Where the restore's time goes (the attempt's start record; raychat.report shows the ledger).
-    phases: dict[str, float] = {}
-    lap = [time.time()]
-
-    def done(phase: str) -> None:
-        now = time.time()
-        phases[phase], lap[0] = round(now - lap[0], 3), now
-
-    done("prepare")
+    done("corpus_index")
     observer = load_observer()
     node_of_rank = me.gather(ray.get_runtime_context().get_node_id())
     earlier_holders, holders = _replica_holders(config, node_of_rank, me)
