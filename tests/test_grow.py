@@ -47,6 +47,9 @@ def test_the_coordinator_measures_a_restart_and_judges_grows_by_the_steps_left(r
 
         time.sleep(3.0)  # the group is lost after step 5: 3 s until the controller notices ...
         ray.get(coordinator.restart_noticed.remote(time.time()))
+        ray.get(coordinator.group_running.remote(2))  # the controller started a group of 2: a grow
+        grow = ray.get(coordinator.grow_verdict.remote(4))  # is judged from that size from now on
+        assert grow.line.startswith("Growing from 2 to 4 workers"), grow.line
         time.sleep(1.0)  # ... then 1 s to a group of 2 workers restored at step 3
         ray.get(coordinator.start_attempt.remote(3, 2, 100, time.time()))
         verdict = ray.get(coordinator.grow_verdict.remote(4))  # the last attempt's steps, at 2 workers

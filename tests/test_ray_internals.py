@@ -45,8 +45,10 @@ def test_controller_callback_hooks_and_states_exist():
         _require(ControllerCallback, hook, "ray.train.v2 ControllerCallback")
     params = list(inspect.signature(ControllerCallback.after_controller_state_update).parameters)
     assert params[1:] == ["previous_state", "current_state"], f"hook arguments are {params} ({NEEDED})"
-    for state in ("ReschedulingState", "ResizingState", "RestartingState"):
+    for state in ("ReschedulingState", "ResizingState", "RestartingState", "RunningState", "SchedulingState"):
         assert inspect.isclass(getattr(internals, state)), f"{state} is not a class ({NEEDED})"
+    # A new group's start is SchedulingState -> RunningState, the decision carrying its size.
+    assert "scaling_decision" in inspect.signature(internals.SchedulingState).parameters, NEEDED
 
 
 @pytest.mark.unit

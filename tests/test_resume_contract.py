@@ -335,8 +335,11 @@ def test_a_takeover_releases_only_the_reservation_of_the_epoch_it_took_over(ray_
 @pytest.mark.ray
 def test_resize_requests_belong_to_one_attempt_and_the_last_step_answers_them(ray_session):
     """The run's real coordinator actor and the controller's real callback: a request the old group
-    never answered is dropped by the next attempt; one that arrives at (or after) the last step is
-    answered with the final step, so the controller does not hold the resize for SAVE_WAIT_S."""
+    never answered is dropped when the controller starts the next group; one for the new group that
+    comes before its rank 0 has started the attempt (a grow decided as soon as the group runs) is
+    kept and answered, and the attempt still says the planned resize it came from; one that arrives
+    at (or after) the last step is answered with the final step, so the controller does not hold
+    the resize for SAVE_WAIT_S."""
     import uuid
 
     import ray
@@ -344,13 +347,37 @@ def test_resize_requests_belong_to_one_attempt_and_the_last_step_answers_them(ra
     from raychat.elastic.controller import PlannedResizeSave
     from raychat.elastic.coordinator import _LIVE, FinalResult, start_coordinator
     from raychat.elastic.signals import ElasticSignals
+    from raychat.ray_glue.ray_internals import ResizeDecision, RunningState, SchedulingState
+
+    def group_started(workers: int) -> None:  # what the controller's state update says, in order
+        scheduled = SchedulingState(ResizeDecision(num_workers=workers, resources_per_worker={"CPU": 1}))
+        PlannedResizeSave(session).after_controller_state_update(scheduled, RunningState())
 
     session = uuid.uuid4().hex
     coordinator = start_coordinator(session)
     try:
+        group_started(2)
         ray.get(coordinator.start_attempt.remote(0, 2))
         ray.get(coordinator.request_save.remote())  # the old group dies before answering
+        group_started(2)
         ray.get(coordinator.start_attempt.remote(5, 2))
+        assert ray.get(coordinator.poll_request.remote()) is False
+
+        # A planned shrink's save, then a grow decided while the smaller group still sets up: its
+        # request reaches that group's rank 0 after the attempt starts, and the attempt is the
+        # planned resize's.
+        ray.get(coordinator.request_save.remote())
+        ray.get(coordinator.saved.remote(6))
+        group_started(1)
+        ray.get(coordinator.request_save.remote())
+        assert ray.get(coordinator.get_saved_step.remote()) is None  # the controller waits for it
+        assert ray.get(coordinator.start_attempt.remote(6, 1)).planned_step == 6
+        assert ray.get(coordinator.poll_request.remote()) is True
+        ray.get(coordinator.saved.remote(7))
+        assert ray.get(coordinator.get_saved_step.remote()) == 7
+        group_started(2)
+        assert ray.get(coordinator.start_attempt.remote(7, 2)).planned_step == 7
+        ray.get(coordinator.start_attempt.remote(5, 2))  # (the rest as before: a restart from step 5)
         assert ray.get(coordinator.poll_request.remote()) is False
 
         # Rank 0's one call per step tells the step done and brings back the request: a reply that

@@ -36,6 +36,8 @@ from raychat.ray_glue.ray_internals import (
     ResizeDecision,
     ResizingState,
     RestartingState,
+    RunningState,
+    SchedulingState,
     train_requester_id,
 )
 from raychat.storage import Storage
@@ -47,7 +49,8 @@ RESERVATION_FILE = "raychat_reservation.json"  # in the run directory: the contr
 
 
 class PlannedResizeSave(ControllerCallback):
-    """Before a planned resize restarts the group, have the workers checkpoint the current step."""
+    """Before a planned resize restarts the group, have the workers checkpoint the current step; when
+    a new group starts, tell the run's coordinator, whose save requests from then on are that group's."""
 
     def __init__(self, session: str, wait_s: float = SAVE_WAIT_S):
         self.session = session
@@ -57,6 +60,12 @@ class PlannedResizeSave(ControllerCallback):
     def after_controller_state_update(self, previous_state, current_state) -> None:
         if isinstance(current_state, ResizingState):
             self._planned = True  # a healthy group about to be resized (not a restart after a failure)
+        elif isinstance(current_state, RunningState) and isinstance(previous_state, SchedulingState):
+            # A new group started: save requests from now on are its own (Coordinator.group_running).
+            # Sent before any resize decision about it (one caller's calls reach an actor in order).
+            with contextlib.suppress(ValueError, ray.exceptions.RayError):
+                ray.get_actor(coordinator_name(self.session)).group_running.remote(
+                    previous_state.scaling_decision.num_workers)
 
     def before_controller_execute_resize_decision(self, resize_decision) -> None:
         if not self._planned:
@@ -168,9 +177,14 @@ class FreshClusterView(ControllerCallback):
 def unreachable_nodes(node_ids: Iterable[str], probe_s: float = RAYLET_PROBE_S) -> set[str]:
     """The nodes among `node_ids` that the GCS lists alive but whose raylet accepts no TCP connection
     within `probe_s`: dead in all but name (a raylet killed with its machine, a host reclaimed). A
-    node the GCS already lists dead, or does not list, is Ray's own business and is left as it is."""
+    node the GCS already lists dead, or does not list, is Ray's own business and is left as it is,
+    and so is every node while the GCS cannot be asked (Ray's own count stands)."""
     wanted = set(node_ids)
-    return silent_raylets({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in ray.nodes()
+    try:
+        listed = ray.nodes()
+    except Exception:  # noqa: BLE001 (a GCS that does not answer now: the controller must not fail on it)
+        return set()
+    return silent_raylets({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in listed
                            if n.get("Alive") and n.get("NodeID") in wanted and n.get("NodeManagerPort")},
                           probe_s)
 

@@ -89,8 +89,10 @@ class Coordinator:
     """Shared state of one run's attempts (one actor per driver run, named after its session)."""
 
     def __init__(self):
-        self.save_requested = False
-        self.saved_step: int | None = None
+        self.save_requested = False  # a planned resize asked the running group for a save, unanswered
+        self.requests = self.answered = 0  # planned-resize saves asked for, and answered, so far
+        self.saved_step: int | None = None  # the latest answered request's step, until an attempt starts
+        self.group_size: int | None = None  # the size of the group the controller started last
         self.last_step: int | None = None  # the last step the current attempt finished
         self.world_size: int | None = None
         self.notice_step: int | None = None  # the step saved on a preemption notice, this attempt
@@ -113,22 +115,34 @@ class Coordinator:
         self.holders: dict[str, ray.actor.ActorHandle] = {}  # by node id (raychat.elastic.holders)
 
     def request_save(self) -> None:
-        """A planned resize asks for a save. After the last step there is nothing left to save (the
-        final checkpoint is written before `finish`): answered at once, so the controller's hold
-        ends now instead of after SAVE_WAIT_S."""
+        """A planned resize asks the running group for a save. After the last step there is nothing
+        left to save (the final checkpoint is written before `finish`): answered at once, so the
+        controller's hold ends now instead of after SAVE_WAIT_S."""
+        self.requests += 1
         if self.final is not None:
-            self.save_requested, self.saved_step = False, self.final.step
+            self.saved(self.final.step)
             return
-        self.save_requested, self.saved_step = True, None
+        self.save_requested = True
 
     def poll_request(self) -> bool:
         return self.save_requested
 
     def saved(self, step: int) -> None:
-        self.save_requested, self.saved_step = False, step
+        self.save_requested, self.answered, self.saved_step = False, self.requests, step
 
     def get_saved_step(self) -> int | None:
-        return self.saved_step
+        """The step saved for the latest request; None while it is unanswered."""
+        return self.saved_step if self.answered == self.requests else None
+
+    def group_running(self, num_workers: int) -> None:
+        """The controller started a new group of `num_workers` (SchedulingState -> RunningState;
+        `PlannedResizeSave`). A request still open was the group before's, which never answered it
+        (it came at the last step, or the save outlasted the controller's wait): this group must
+        not save and sleep for it, nor a later failure be logged as a planned resize. A request
+        from now on is this group's, even one that comes before its rank 0 starts the attempt (a
+        grow decided as soon as the group runs, the node back already)."""
+        self.save_requested = False
+        self.group_size = num_workers
 
     def preemption_saved(self, step: int) -> None:
         self.notice_step = step
@@ -154,12 +168,12 @@ class Coordinator:
         setup: no wait for resources), less the one step it trained. None while nothing is measured
         yet (Ray's decision stands)."""
         cost = next((self.start_s[k] for k in ("planned", "failure", "first") if k in self.start_s), None)
-        if cost is None or not self.step_work or not self.world_size or self.total_steps is None:
+        size = self.group_size or self.world_size  # the group running now, though still setting up
+        if cost is None or not self.step_work or not size or self.total_steps is None:
             return None
-        step_s = statistics.median(self.step_work) / self.world_size
+        step_s = statistics.median(self.step_work) / size
         next_step = self.last_step + 1 if self.last_step is not None else self.start_step
-        return grow_verdict(self.world_size, to_workers, self.total_steps - next_step, step_s,
-                            max(0.0, cost - step_s))
+        return grow_verdict(size, to_workers, self.total_steps - next_step, step_s, max(0.0, cost - step_s))
 
     def say_once(self, key: tuple[int, int, bool]) -> bool:
         """True the first time a verdict (from, to, pays) is to be said in this attempt."""
@@ -213,10 +227,7 @@ class Coordinator:
         self.last_step, self.world_size, self.saved_step, self.notice_step = None, world_size, None, None
         self.last_progress = self.noticed = None
         self.failed_starts = 0
-        # A planned-resize request the old group never answered (it came at the last step, or the
-        # save outlasted the controller's wait) belongs to that group: the new one must not save and
-        # sleep for it, nor log a later real failure as a planned resize.
-        self.save_requested = False
+        # An open save request is this group's (group_running dropped the old group's): it stays.
         return previous
 
 

@@ -37,9 +37,10 @@ STDSTREAM_DISPATCHER = global_worker_stdstream_dispatcher
 
 # Ray Train V2's controller hooks: `after_controller_state_update` sees the controller enter
 # ResizingState (a planned resize of a healthy group) or RestartingState / ReschedulingState (a
-# restart after a failure); `before_controller_execute_resize_decision` runs before the old group is
-# shut down. ray.train offers no public callback at those points; raychat saves before a planned
-# resize and refreshes the cluster view before a restart there.
+# restart after a failure), and SchedulingState -> RunningState when it has started a new group;
+# `before_controller_execute_resize_decision` runs before the old group is shut down. ray.train
+# offers no public callback at those points; raychat saves before a planned resize, tells the run's
+# coordinator that a new group started, and refreshes the cluster view before a restart there.
 #
 # Ray Train's elastic scaling policy decides in the controller when to resize a running group
 # (`make_decision_for_running_worker_group`: a ResizeDecision or a NoopDecision). Nothing public lets
@@ -54,6 +55,8 @@ CONTROLLER_NAMES = {
     "ReschedulingState": "ray.train.v2._internal.execution.controller.state",
     "ResizingState": "ray.train.v2._internal.execution.controller.state",
     "RestartingState": "ray.train.v2._internal.execution.controller.state",
+    "RunningState": "ray.train.v2._internal.execution.controller.state",
+    "SchedulingState": "ray.train.v2._internal.execution.controller.state",
 }
 __all__ = list(CONTROLLER_NAMES)
 
