@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from raychat.telemetry.ledger import ledger
+from raychat.telemetry.ledger import COMPILE_PROBE, ledger
 
 # What a restart costs, in the order its time passes (the ledger's restart causes and the steps redone).
 PHASES = ("detect", "reschedule", "restore", "first_step", "compile", "redone")
@@ -88,7 +88,8 @@ def fault_bounds(run: dict) -> list[tuple[str, int | None]]:
 
 def undisturbed_costs(records: list[dict[str, Any]]) -> dict[str, float]:
     """From an undisturbed run's metrics log (its records in file order): the phases of its one
-    attempt's set-up that raychat.worker.setup times (model, optimizer, loader: every restore does
+    attempt's set-up that raychat.worker.setup times, the compile probe apart (the ledger counts it
+    as compile: raychat.telemetry.ledger) (model, optimizer, loader: every restore does
     that much, and reads its state besides; the first attempt's set-up as a whole also pays first-time
     costs, the first collective and imports, that a restart need not), its wait from there to its first
     step, its first step's compile (from a cold cache) and its median steady step."""
@@ -96,7 +97,8 @@ def undisturbed_costs(records: list[dict[str, Any]]) -> dict[str, float]:
     steps = [r for r in records if r["kind"] == "step"]
     first_start = steps[0]["time"] - steps[0].get("dt", 0.0)
     steady = [r["dt"] for r in steps if not r.get("compile_s")] or [r["dt"] for r in steps]
-    return {"restore": sum((start.get("setup_phases") or {}).values()),
+    phases = {k: v for k, v in (start.get("setup_phases") or {}).items() if k != COMPILE_PROBE}
+    return {"restore": sum(phases.values()),
             "first_step": max(0.0, first_start - start["time"]),
             "cold_compile": steps[0].get("compile_s", 0.0), "step": statistics.median(steady)}
 

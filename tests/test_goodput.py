@@ -162,6 +162,17 @@ def test_compiling_is_a_cause_of_its_own_in_each_attempt():
     assert run.seconds["training"] == pytest.approx(10 * 0.9 - 1.2)
     assert sum(run.seconds.values()) == pytest.approx(run.wall_s)
     assert any("compile 0.6s" in line for line in run.lines()), run.lines()
+    # The set-up's compile probe (inductor's start-up, which the first step would pay otherwise) is
+    # compile too: 4 s of the first attempt's start-up, 2 s of the restart's 3 s restore.
+    starts = [r for r in records if r["kind"] == "start"]
+    starts[0]["setup_phases"] = {"compile_probe": 4.0, "build_model": 1.0}
+    starts[1]["setup_phases"] = {"compile_probe": 2.0, "build_model": 0.5}
+    probed = ledger(records)
+    first, restart = probed.attempts
+    assert (first.seconds["startup"], first.seconds["compile"]) == (pytest.approx(6.0), pytest.approx(4.6))
+    assert restart.seconds["restore"] == pytest.approx(1.0)
+    assert restart.seconds["compile"] == pytest.approx(2.6)
+    assert sum(probed.seconds.values()) == pytest.approx(probed.wall_s)
 
 
 def test_the_report_and_status_show_the_ledger(tmp_path):

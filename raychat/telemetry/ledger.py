@@ -9,7 +9,8 @@ preemptible GPUs pays for. The rest is accounted by cause, so the causes partiti
   reschedule   from then to the new worker group running the train function
   restore      the new group's setup: model, optimizer, checkpoint read, the loader started
   first_step   from the restored state to the new attempt's first step (evaluations apart)
-  compile      steps' time in torch.compile (an attempt's first step, recompiles), from the step records
+  compile      steps' time in torch.compile (an attempt's first step, recompiles), from the step records,
+               and the set-up's compile probe (COMPILE_PROBE) from the start record
   training     steps that advanced training (their time waiting for data and compiling apart)
   data_wait    those steps waiting for their batch
   redone       steps trained again after a restart (all their time: their work was lost)
@@ -31,6 +32,9 @@ from typing import Any
 CAUSES = ("startup", "detect", "reschedule", "restore", "first_step", "compile", "training", "data_wait",
           "redone", "checkpoint", "eval", "other")  # an attempt's causes roughly in the order its time passes
 RESTART_CAUSES = ("detect", "reschedule", "restore", "first_step", "compile")
+# The set-up phase (raychat.worker.setup) that compiles a tiny function to check torch.compile works:
+# it pays inductor's start-up, which the first compiled step would pay otherwise, so it counts as compile.
+COMPILE_PROBE = "compile_probe"
 
 
 @dataclass
@@ -135,9 +139,12 @@ def ledger(records: list[dict[str, Any]]) -> Ledger:
         else:  # no step yet: the attempt so far is all start-up (or restart)
             first_start = body[-1]["time"] if body else t_start
         pre_eval, pre_ckpt = before.get("eval_s_so_far", 0.0), before.get("checkpoint_s_so_far", 0.0)
+        probe = float((start.get("setup_phases") or {}).get(COMPILE_PROBE, 0.0))
         if new_driver:
             launched = start.get("launched", t_start)
-            s["startup"] = max(0.0, first_start - launched - pre_eval - pre_ckpt)
+            startup = max(0.0, first_start - launched - pre_eval - pre_ckpt)
+            probe = min(probe, startup)
+            s["startup"], s["compile"] = startup - probe, s["compile"] + probe
             wall_from = launched
         else:
             # Some steps the ended attempt finished never reached the log: rank 0 was killed while it
@@ -153,6 +160,9 @@ def ledger(records: list[dict[str, Any]]) -> Ledger:
             a.tail_s = lost_at - end
             s["redone"] += a.tail_s
             s["detect"], s["reschedule"], s["restore"] = noticed - lost_at, setup - noticed, t_start - setup
+            probe = min(probe, s["restore"])
+            s["restore"] -= probe
+            s["compile"] += probe
             s["first_step"] = max(0.0, first_start - t_start - pre_eval - pre_ckpt)
             wall_from = end
         for r in steps:
