@@ -82,6 +82,8 @@ def test_a_live_node_counts_for_workers_and_a_silent_raylet_does_not(ray_session
     here = ray.get_runtime_context().get_node_id()
     assert unreachable_nodes([here]) == set()
     policy = GrowWhenItPays(ScalingConfig(num_workers=(1, 4), resources_per_worker={"CPU": 1}), "session")
+    assert policy._count_possible_workers({here: {"CPU": 2.0}}) == 2  # a running group's count: Ray's
+    policy._restarting = True  # the count for a group to start: probed, and this node's raylet answers
     assert policy._count_possible_workers({here: {"CPU": 2.0}}) == 2
     (node,) = [n for n in ray.nodes() if n["NodeID"] == here]
     closed = socket.socket()

@@ -88,28 +88,40 @@ class GrowWhenItPays(ElasticScalingPolicy):
     and the verdict is said once; `always` (--grow always) says it and grows anyway. After a veto
     the policy asks the autoscaler for no more workers than the group has, so nodes it will not use
     are not held for it. Shrinks, and a grow Ray decides before anything is measured, stand as Ray
-    decides them. Nor does it count workers on a node that is already gone (`_count_possible_workers`)."""
+    decides them. Nor does a restart count workers on a node already gone
+    (`make_decision_for_non_running_worker_group`)."""
 
     def __init__(self, scaling_config, session: str, always: bool = False):
         super().__init__(scaling_config)
         self.session, self.always = session, always
         self.held_at: int | None = None  # the group's size when a grow was vetoed: what is asked for
+        self._restarting = False  # deciding the size of a group to start (nodes already gone not counted)
 
     def _get_num_workers_for_resource_request(self) -> int:
         wanted = super()._get_num_workers_for_resource_request()
         return wanted if self.held_at is None else min(wanted, self.held_at)
 
-    def _count_possible_workers(self, reserved_resources: dict) -> int:
-        """Ray's count of the workers that fit, less the nodes that are already gone but still listed.
+    def make_decision_for_non_running_worker_group(self):
+        """Ray's decision of the size to (re)start the group at, counting no node already gone.
 
         A node that dies is listed alive until the GCS's health checks give up on it (3 s with the
         cluster configs' settings, 15 s with Ray's defaults), and the controller notices its workers
         die before that. Counted, it makes the restart ask for the old size, wait out
         RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S for a worker that cannot start and only then start the
-        smaller group: two worker-group starts per loss. A node whose raylet refuses a connection
-        (or takes longer than RAYLET_PROBE_S to accept one) is not counted."""
-        gone = unreachable_nodes(reserved_resources)
-        return super()._count_possible_workers({n: r for n, r in reserved_resources.items() if n not in gone})
+        smaller group: two worker-group starts per loss. Here a node whose raylet refuses a connection
+        (or takes longer than RAYLET_PROBE_S to accept one) is not counted. Only here: a running
+        group is never shrunk on a probe's word (a network blip of a second would cost two restarts)."""
+        self._restarting = True
+        try:
+            return super().make_decision_for_non_running_worker_group()
+        finally:
+            self._restarting = False
+
+    def _count_possible_workers(self, reserved_resources: dict) -> int:
+        if self._restarting:
+            gone = unreachable_nodes(reserved_resources)
+            reserved_resources = {n: r for n, r in reserved_resources.items() if n not in gone}
+        return super()._count_possible_workers(reserved_resources)
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
