@@ -68,23 +68,27 @@ def test_the_coordinator_measures_a_restart_and_judges_grows_by_the_steps_left(r
 
 
 @pytest.mark.ray
-def test_a_live_node_counts_for_workers_and_a_silent_raylet_does_not(ray_session):
-    """The elastic policy counts the workers that fit on nodes whose raylet answers (this machine's,
-    on the session's Ray); an address that accepts no connection (a port nothing listens on: a
-    raylet gone with its machine) is silent. End to end in test_elastic: a lost node's restart,
-    before the GCS declares the node dead, starts one group."""
+def test_a_live_node_counts_for_workers_and_a_gone_one_does_not(ray_session):
+    """A restart counts the workers that fit on nodes whose raylet answers (this machine's, on the
+    session's Ray); a node the GCS does not list alive (an id it never knew) is gone, and so is an
+    address that accepts no connection (a port nothing listens on: a raylet gone with its machine).
+    Where every node would be gone the probe is not believed (Ray's count stands). End to end in
+    test_elastic: a lost node's restart, before the GCS declares the node dead, starts one group."""
     import socket
 
     from ray.train import ScalingConfig
 
-    from raychat.elastic.controller import GrowWhenItPays, silent_raylets, unreachable_nodes
+    from raychat.elastic.controller import GrowWhenItPays, gone_nodes, silent_raylets
 
-    here = ray.get_runtime_context().get_node_id()
-    assert unreachable_nodes([here]) == set()
+    here, unknown = ray.get_runtime_context().get_node_id(), "f" * 56
+    assert gone_nodes([here]) == set()
+    assert gone_nodes([here, unknown]) == {unknown}
+    assert gone_nodes([unknown]) == set()  # all of them: a probe that cannot see the cluster
     policy = GrowWhenItPays(ScalingConfig(num_workers=(1, 4), resources_per_worker={"CPU": 1}), "session")
-    assert policy._count_possible_workers({here: {"CPU": 2.0}}) == 2  # a running group's count: Ray's
-    policy._restarting = True  # the count for a group to start: probed, and this node's raylet answers
-    assert policy._count_possible_workers({here: {"CPU": 2.0}}) == 2
+    reserved = {here: {"CPU": 2.0}, unknown: {"CPU": 1.0}}
+    assert policy._count_possible_workers(reserved) == 3  # a running group's count: Ray's
+    policy._restarting = True  # the count for a group to start: the node gone is left out
+    assert policy._count_possible_workers(reserved) == 2
     (node,) = [n for n in ray.nodes() if n["NodeID"] == here]
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
@@ -92,3 +96,32 @@ def test_a_live_node_counts_for_workers_and_a_silent_raylet_does_not(ray_session
     closed.close()
     raylets = {"live": (node["NodeManagerAddress"], node["NodeManagerPort"]), "gone": ("127.0.0.1", port)}
     assert silent_raylets(raylets) == {"gone"}
+
+
+@pytest.mark.ray
+def test_a_wait_in_one_state_is_one_event_to_the_coordinator(ray_session):
+    """While it waits (for resources, for a group to start) the controller re-enters its state at
+    every turn of its loop: the run's coordinator hears of one restart, noticed when it began, and of
+    one failed group start, not of every turn."""
+    from ray.train import ControllerError
+
+    from raychat.elastic.controller import NoteRestart
+    from raychat.ray_glue.ray_internals import ReschedulingState, RestartingState, RunningState
+
+    session = uuid.uuid4().hex
+    coordinator = start_coordinator(session)
+    try:
+        ray.get(coordinator.start_attempt.remote(0, 2, 100, time.time()))
+        note, error = NoteRestart(session), ControllerError(RuntimeError("a node died"))
+        began = time.time()
+        note.after_controller_state_update(RunningState(), RestartingState(error))
+        for _turn in range(50):  # the restart waits for resources, one turn at a time
+            note.after_controller_state_update(RestartingState(error), RestartingState(error))
+        note.after_controller_state_update(RestartingState(error), ReschedulingState(error))
+        for _turn in range(50):  # the group of the old size never starts; the controller waits again
+            note.after_controller_state_update(ReschedulingState(error), ReschedulingState(error))
+        previous = ray.get(coordinator.start_attempt.remote(5, 1, 100, time.time()))
+        assert previous.failed_starts == 1
+        assert began <= previous.noticed < began + 0.5, (began, previous.noticed)
+    finally:
+        stop_coordinator(session)

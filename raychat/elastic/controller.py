@@ -44,7 +44,10 @@ from raychat.storage import Storage
 from raychat.telemetry.console import log_line
 
 SAVE_WAIT_S = 300.0  # how long the controller waits for the planned save before resizing anyway
-RAYLET_PROBE_S = 1.0  # a raylet accepting no connection within this is gone (unreachable_nodes)
+# A raylet accepting no connection within this is gone (gone_nodes): past Linux's first SYN retransmit
+# (1 s), so one packet lost on a live link is not taken for a dead node; a dead host's is refused at
+# once, or, where its address drops packets (a reclaimed VM), costs a restart this long.
+RAYLET_PROBE_S = 2.5
 RESERVATION_FILE = "raychat_reservation.json"  # in the run directory: the controller's resource request
 
 
@@ -96,6 +99,7 @@ class GrowWhenItPays(ElasticScalingPolicy):
         self.session, self.always = session, always
         self.held_at: int | None = None  # the group's size when a grow was vetoed: what is asked for
         self._restarting = False  # deciding the size of a group to start (nodes already gone not counted)
+        self._probed: tuple[dict | None, set[str]] = (None, set())  # a view of the cluster, its nodes gone
 
     def _get_num_workers_for_resource_request(self) -> int:
         wanted = super()._get_num_workers_for_resource_request()
@@ -108,9 +112,10 @@ class GrowWhenItPays(ElasticScalingPolicy):
         cluster configs' settings, 15 s with Ray's defaults), and the controller notices its workers
         die before that. Counted, it makes the restart ask for the old size, wait out
         RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S for a worker that cannot start and only then start the
-        smaller group: two worker-group starts per loss. Here a node whose raylet refuses a connection
-        (or takes longer than RAYLET_PROBE_S to accept one) is not counted. Only here: a running
-        group is never shrunk on a probe's word (a network blip of a second would cost two restarts)."""
+        smaller group: two worker-group starts per loss. Here a node whose raylet accepts no
+        connection (`gone_nodes`), or that the GCS no longer lists alive though Ray's cached
+        view still counts it, is not counted. Only here: a running group is never shrunk on a probe's
+        word (a network blip of a second would cost two restarts)."""
         self._restarting = True
         try:
             return super().make_decision_for_non_running_worker_group()
@@ -118,9 +123,12 @@ class GrowWhenItPays(ElasticScalingPolicy):
             self._restarting = False
 
     def _count_possible_workers(self, reserved_resources: dict) -> int:
-        if self._restarting:
-            gone = unreachable_nodes(reserved_resources)
-            reserved_resources = {n: r for n, r in reserved_resources.items() if n not in gone}
+        if self._restarting and reserved_resources:
+            # Probed once per view of the cluster (Ray re-reads it at most once a second; the
+            # controller asks at every turn of its loop while it waits).
+            if self._probed[0] is not reserved_resources:
+                self._probed = (reserved_resources, gone_nodes(reserved_resources))
+            reserved_resources = {n: r for n, r in reserved_resources.items() if n not in self._probed[1]}
         return super()._count_possible_workers(reserved_resources)
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
@@ -163,6 +171,8 @@ class NoteRestart(ControllerCallback):
         self.session = session
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
+        if type(previous_state) is type(current_state):
+            return  # the controller waiting (for resources, a group to start) re-enters a state each turn
         with contextlib.suppress(ValueError, ray.exceptions.RayError):  # the ledger only loses a split
             if isinstance(current_state, (RestartingState, ResizingState)):
                 ray.get_actor(coordinator_name(self.session)).restart_noticed.remote(time.time())
@@ -182,23 +192,26 @@ class FreshClusterView(ControllerCallback):
     the node dead; until then GrowWhenItPays leaves out a node whose raylet is gone."""
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
-        if isinstance(current_state, (RestartingState, ReschedulingState)):
+        if isinstance(current_state, (RestartingState, ReschedulingState)) and \
+                type(previous_state) is not type(current_state):  # once, not at each turn of a wait
             refresh_cluster_view()
 
 
-def unreachable_nodes(node_ids: Iterable[str], probe_s: float = RAYLET_PROBE_S) -> set[str]:
-    """The nodes among `node_ids` that the GCS lists alive but whose raylet accepts no TCP connection
-    within `probe_s`: dead in all but name (a raylet killed with its machine, a host reclaimed). A
-    node the GCS already lists dead, or does not list, is Ray's own business and is left as it is,
-    and so is every node while the GCS cannot be asked (Ray's own count stands)."""
+def gone_nodes(node_ids: Iterable[str], probe_s: float = RAYLET_PROBE_S) -> set[str]:
+    """The nodes among `node_ids` that are gone though a view of the cluster may still count them: the
+    GCS lists them dead or not at all, or lists them alive but their raylet refuses a TCP connection,
+    or accepts none within `probe_s` (a raylet killed with its machine, a host reclaimed). Where that
+    would be every node, or the GCS cannot be asked, nothing is left out: a controller that cannot
+    reach any raylet (a firewall) must not take the whole cluster for gone, and Ray's count stands."""
     wanted = set(node_ids)
     try:
-        listed = ray.nodes()
-    except Exception:  # noqa: BLE001 (a GCS that does not answer now: the controller must not fail on it)
+        listed = {n["NodeID"]: n for n in ray.nodes() if n.get("NodeID") in wanted}
+        raylets = {node: (n["NodeManagerAddress"], int(n["NodeManagerPort"])) for node, n in listed.items()
+                   if n.get("Alive") and n.get("NodeManagerPort")}
+        gone = (wanted - set(raylets)) | silent_raylets(raylets, probe_s)
+    except Exception:  # noqa: BLE001 (the GCS, a name, threads: the controller must not fail on a probe)
         return set()
-    return silent_raylets({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in listed
-                           if n.get("Alive") and n.get("NodeID") in wanted and n.get("NodeManagerPort")},
-                          probe_s)
+    return set() if gone >= wanted else gone
 
 
 def silent_raylets(raylets: dict[str, tuple[str, int]], probe_s: float = RAYLET_PROBE_S) -> set[str]:
@@ -211,7 +224,7 @@ def silent_raylets(raylets: dict[str, tuple[str, int]], probe_s: float = RAYLET_
         try:
             socket.create_connection(address, timeout=probe_s).close()
             return False
-        except OSError:
+        except OSError:  # refused at once, or no answer within probe_s
             return True
 
     with ThreadPoolExecutor(max_workers=min(32, len(raylets))) as pool:
