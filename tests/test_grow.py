@@ -125,3 +125,32 @@ def test_a_wait_in_one_state_is_one_event_to_the_coordinator(ray_session):
         assert began <= previous.noticed < began + 0.5, (began, previous.noticed)
     finally:
         stop_coordinator(session)
+
+
+@pytest.mark.unit
+def test_a_running_group_is_never_shrunk():
+    """Ray's own decision for a running group (here a policy that always decides `ray_says`) stands
+    when it keeps the size; a shrink is refused (Ray's view of the cluster lags a restart, and a
+    running group's workers are alive). A grow goes to the run's coordinator: test_elastic."""
+    from types import SimpleNamespace
+
+    from ray.train import ScalingConfig
+
+    from raychat.elastic.controller import GrowWhenItPays
+    from raychat.ray_glue.ray_internals import ElasticScalingPolicy, NoopDecision, ResizeDecision
+
+    class RaySays(ElasticScalingPolicy):
+        ray_says: object = None
+
+        def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
+            return self.ray_says
+
+    class Policy(GrowWhenItPays, RaySays):  # GrowWhenItPays's super() is RaySays
+        pass
+
+    policy = Policy(ScalingConfig(num_workers=(1, 4), resources_per_worker={"CPU": 1}), "no-such-run")
+    running = SimpleNamespace(num_workers=2)
+    for workers, kept in ((2, True), (1, False)):
+        policy.ray_says = ResizeDecision(num_workers=workers, resources_per_worker={"CPU": 1})
+        decided = policy.make_decision_for_running_worker_group(running, None)
+        assert (decided is policy.ray_says) == kept and (kept or isinstance(decided, NoopDecision)), workers

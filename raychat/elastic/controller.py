@@ -90,8 +90,9 @@ class GrowWhenItPays(ElasticScalingPolicy):
     judges (raychat.elastic.coordinator.grow_verdict, from the measured restart cost and step time)
     and the verdict is said once; `always` (--grow always) says it and grows anyway. After a veto
     the policy asks the autoscaler for no more workers than the group has, so nodes it will not use
-    are not held for it. Shrinks, and a grow Ray decides before anything is measured, stand as Ray
-    decides them. Nor does a restart count workers on a node already gone
+    are not held for it. A grow Ray decides before anything is measured stands as Ray decides it; a
+    running group is never shrunk (its workers are alive: a lost node fails them, and the restart is
+    sized then), and a restart counts no workers on a node already gone
     (`make_decision_for_non_running_worker_group`)."""
 
     def __init__(self, scaling_config, session: str, always: bool = False):
@@ -134,8 +135,14 @@ class GrowWhenItPays(ElasticScalingPolicy):
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
         current = worker_group_state.num_workers
-        if not isinstance(decision, ResizeDecision) or decision.num_workers <= current:
+        if not isinstance(decision, ResizeDecision) or decision.num_workers == current:
             return decision
+        if decision.num_workers < current:
+            # Ray shrinks a running group when its view of the cluster says fewer workers fit; that
+            # view lags a restart (bench.goodput saw a group grown to 2 shrunk to 1 two steps later,
+            # then grown again: two restarts for nothing). A running group's workers are alive, and
+            # a node that goes fails them: the restart after that is sized then.
+            return NoopDecision()
         try:
             coordinator = ray.get_actor(coordinator_name(self.session))
             verdict = ray.get(coordinator.grow_verdict.remote(decision.num_workers), timeout=10)
