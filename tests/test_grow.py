@@ -102,11 +102,19 @@ def test_a_live_node_counts_for_workers_and_a_gone_one_does_not(ray_session):
 def test_a_wait_in_one_state_is_one_event_to_the_coordinator(ray_session):
     """While it waits (for resources, for a group to start) the controller re-enters its state at
     every turn of its loop: the run's coordinator hears of one restart, noticed when it began, and of
-    one failed group start, not of every turn."""
+    one failed group start, not of every turn; and a resize the controller begins as soon as the new
+    group runs (before its rank 0 starts the attempt) is the next attempt's, not this one's."""
     from ray.train import ControllerError
 
-    from raychat.elastic.controller import NoteRestart
-    from raychat.ray_glue.ray_internals import ReschedulingState, RestartingState, RunningState
+    from raychat.elastic.controller import NoteRestart, PlannedResizeSave
+    from raychat.ray_glue.ray_internals import (
+        ReschedulingState,
+        ResizeDecision,
+        ResizingState,
+        RestartingState,
+        RunningState,
+        SchedulingState,
+    )
 
     session = uuid.uuid4().hex
     coordinator = start_coordinator(session)
@@ -120,9 +128,22 @@ def test_a_wait_in_one_state_is_one_event_to_the_coordinator(ray_session):
         note.after_controller_state_update(RestartingState(error), ReschedulingState(error))
         for _turn in range(50):  # the group of the old size never starts; the controller waits again
             note.after_controller_state_update(ReschedulingState(error), ReschedulingState(error))
+        # A group of 1 starts; the node back, the controller decides a grow before that group's rank 0
+        # has started its attempt: the attempt is still the restart's, and the grow's notice the next's.
+        scheduled = SchedulingState(ResizeDecision(num_workers=1, resources_per_worker={"CPU": 1}))
+        for callback in (PlannedResizeSave(session), note):
+            callback.after_controller_state_update(scheduled, RunningState())
+        time.sleep(0.6)
+        grow_noticed = time.time()
+        note.after_controller_state_update(RunningState(), ResizingState(
+            ResizeDecision(num_workers=2, resources_per_worker={"CPU": 1})))
         previous = ray.get(coordinator.start_attempt.remote(5, 1, 100, time.time()))
         assert previous.failed_starts == 1
         assert began <= previous.noticed < began + 0.5, (began, previous.noticed)
+        PlannedResizeSave(session).after_controller_state_update(
+            SchedulingState(ResizeDecision(num_workers=2, resources_per_worker={"CPU": 1})), RunningState())
+        previous = ray.get(coordinator.start_attempt.remote(6, 2, 100, time.time()))
+        assert previous.failed_starts == 0 and grow_noticed <= previous.noticed < grow_noticed + 0.5
     finally:
         stop_coordinator(session)
 

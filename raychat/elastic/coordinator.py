@@ -99,6 +99,7 @@ class Coordinator:
         self.last_progress: float | None = None  # when the current attempt last finished a step
         self.noticed: float | None = None  # when the controller last began a restart or resize
         self.failed_starts = 0  # worker groups that failed to start since the current attempt began
+        self.at_start: tuple[float | None, int] | None = None  # (noticed, failed_starts) of the group started
         self.attempts = 0
         self.total_steps: int | None = None  # the run's last step + 1
         self.start_step = 0  # the step the current attempt started at
@@ -143,6 +144,9 @@ class Coordinator:
         grow decided as soon as the group runs, the node back already)."""
         self.save_requested = False
         self.group_size = num_workers
+        # The notice and failed starts that led to this group are its attempt's (start_attempt); a
+        # resize the controller begins before that attempt has started is the next one's.
+        self.at_start, self.noticed, self.failed_starts = (self.noticed, self.failed_starts), None, 0
 
     def preemption_saved(self, step: int) -> None:
         self.notice_step = step
@@ -211,12 +215,15 @@ class Coordinator:
                       setup_started: float | None = None) -> Attempt:
         """Called by rank 0 of each new attempt: what the previous attempt did. `setup_started`: when
         this attempt's workers began their setup."""
+        # What the controller said of this group's start, as group_running kept it: a resize it
+        # began since (this group running) is the next attempt's.
+        noticed, failed_starts = self.at_start if self.at_start is not None else (self.noticed,
+                                                                                 self.failed_starts)
         previous = Attempt(attempt=self.attempts, last_step=self.last_step, world_size=self.world_size,
                            planned_step=self.saved_step, notice_step=self.notice_step,
-                           last_progress=self.last_progress, noticed=self.noticed,
-                           failed_starts=self.failed_starts)
+                           last_progress=self.last_progress, noticed=noticed, failed_starts=failed_starts)
         if self.attempts:  # a restart costs from the controller's notice (else the old group's last step)
-            self.began = self.noticed or self.last_progress
+            self.began = noticed or self.last_progress
             self.began_kind = "planned" if self.saved_step is not None else "failure"
         else:  # the first start, from its workers' setup: not the driver's wait for resources
             self.began, self.began_kind = setup_started, "first"
@@ -225,8 +232,10 @@ class Coordinator:
         self.total_steps = total_steps if total_steps is not None else self.total_steps
         self.said_grow.clear()
         self.last_step, self.world_size, self.saved_step, self.notice_step = None, world_size, None, None
-        self.last_progress = self.noticed = None
-        self.failed_starts = 0
+        self.last_progress = None
+        if self.at_start is None:  # no group_running heard (its callback missing): all is this start's
+            self.noticed, self.failed_starts = None, 0
+        self.at_start = None
         # An open save request is this group's (group_running dropped the old group's): it stays.
         return previous
 
