@@ -126,6 +126,9 @@ def ray_session(raychat_home, tmp_path_factory):
         cluster.drivers.close()
         ray.shutdown()
         stop_processes_under(temp_dir)
+        # `ray start`'s Ray Client server names neither the temp dir nor a parent that is stopped:
+        # only the GCS address it serves (`--address=<node ip>:<port> --host=...`).
+        stop_processes_under(f":{port} --host=")
         time.sleep(0.5)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
