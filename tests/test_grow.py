@@ -71,25 +71,28 @@ def test_the_coordinator_measures_a_restart_and_judges_grows_by_the_steps_left(r
 def test_a_live_node_counts_for_workers_and_a_gone_one_does_not(ray_session):
     """A restart counts the workers that fit on nodes whose raylet answers (this machine's, on the
     session's Ray); a node the GCS does not list alive (an id it never knew) is gone, and so is an
-    address that accepts no connection (a port nothing listens on: a raylet gone with its machine).
+    address that accepts no connection (a port nothing listens on: a raylet gone with its machine);
+    with a node gone, the live nodes outside Ray's view count whole (spares).
     Where every node would be gone the probe is not believed (Ray's count stands). End to end in
     test_elastic: a lost node's restart, before the GCS declares the node dead, starts one group."""
     import socket
 
     from ray.train import ScalingConfig
 
-    from raychat.elastic.controller import GrowWhenItPays, gone_nodes, silent_raylets
+    from raychat.elastic.controller import GrowWhenItPays, gone_nodes, silent_raylets, spare_nodes
 
     here, unknown = ray.get_runtime_context().get_node_id(), "f" * 56
+    (node,) = [n for n in ray.nodes() if n["NodeID"] == here]
+    node_resources = node["Resources"]
     assert gone_nodes([here]) == set()
     assert gone_nodes([here, unknown]) == {unknown}
     assert gone_nodes([unknown]) == set()  # all of them: a probe that cannot see the cluster
     policy = GrowWhenItPays(ScalingConfig(num_workers=(1, 4), resources_per_worker={"CPU": 1}), "session")
     reserved = {here: {"CPU": 2.0}, unknown: {"CPU": 1.0}}
     assert policy._count_possible_workers(reserved) == 3  # a running group's count: Ray's
-    policy._restarting = True  # the count for a group to start: the node gone is left out
-    assert policy._count_possible_workers(reserved) == 2
-    (node,) = [n for n in ray.nodes() if n["NodeID"] == here]
+    policy._restarting = True  # the count for a group to start: the node gone is left out, and the
+    assert policy._count_possible_workers(reserved) == 2  # live nodes outside the view (none) put in
+    assert spare_nodes({}) == {here: node_resources} and spare_nodes(reserved) == {}
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
     port = closed.getsockname()[1]

@@ -74,13 +74,16 @@ class PlannedResizeSave(ControllerCallback):
         if not self._planned:
             return
         self._planned = False
-        coordinator = ray.get_actor(coordinator_name(self.session))
-        ray.get(coordinator.request_save.remote())
         deadline = time.monotonic() + self.wait_s
-        while time.monotonic() < deadline:
-            if ray.get(coordinator.get_saved_step.remote()) is not None:
-                return
-            time.sleep(0.2)
+        try:  # without the run's coordinator (its driver gone) there is no save to wait for
+            coordinator = ray.get_actor(coordinator_name(self.session))
+            ray.get(coordinator.request_save.remote(), timeout=30)
+            while time.monotonic() < deadline:
+                if ray.get(coordinator.get_saved_step.remote(), timeout=30) is not None:
+                    return
+                time.sleep(0.2)
+        except (ValueError, ray.exceptions.RayError):
+            return
 
 
 class GrowWhenItPays(ElasticScalingPolicy):
@@ -100,23 +103,28 @@ class GrowWhenItPays(ElasticScalingPolicy):
         self.session, self.always = session, always
         self.held_at: int | None = None  # the group's size when a grow was vetoed: what is asked for
         self._restarting = False  # deciding the size of a group to start (nodes already gone not counted)
-        self._probed: tuple[dict | None, set[str]] = (None, set())  # a view of the cluster, its nodes gone
+        # A view of the cluster, its nodes gone and the live nodes outside it (see _count_possible_workers)
+        self._probed: tuple[dict | None, set[str], dict] = (None, set(), {})
 
     def _get_num_workers_for_resource_request(self) -> int:
         wanted = super()._get_num_workers_for_resource_request()
         return wanted if self.held_at is None else min(wanted, self.held_at)
 
     def make_decision_for_non_running_worker_group(self):
-        """Ray's decision of the size to (re)start the group at, counting no node already gone.
+        """Ray's decision of the size to (re)start the group at, from a view of the cluster without
+        the nodes already gone and with the live nodes it does not hold yet.
 
         A node that dies is listed alive until the GCS's health checks give up on it (3 s with the
         cluster configs' settings, 15 s with Ray's defaults), and the controller notices its workers
-        die before that. Counted, it makes the restart ask for the old size, wait out
-        RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S for a worker that cannot start and only then start the
-        smaller group: two worker-group starts per loss. Here a node whose raylet accepts no
-        connection (`gone_nodes`), or that the GCS no longer lists alive though Ray's cached
-        view still counts it, is not counted. Only here: a running group is never shrunk on a probe's
-        word (a network blip of a second would cost two restarts)."""
+        die before that. Ray's view (its autoscaling coordinator's reservation for the run) then
+        still holds the dead node, and not a spare that could replace it. Counted, the dead node
+        makes the restart ask for the old size and, with no spare, wait out
+        RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S before it starts a smaller group: two group starts
+        per loss. So when the view holds a node that is gone (`gone_nodes`: listed dead, or its
+        raylet silent), that node is not counted and every live node outside the view is, as a
+        whole node (`spare_nodes`): one group start, of the old size where a spare is up. Only
+        here: a running group is never resized on a probe's word (a network blip of a second would
+        cost two restarts)."""
         self._restarting = True
         try:
             return super().make_decision_for_non_running_worker_group()
@@ -125,11 +133,13 @@ class GrowWhenItPays(ElasticScalingPolicy):
 
     def _count_possible_workers(self, reserved_resources: dict) -> int:
         if self._restarting and reserved_resources:
-            # Probed once per view of the cluster (Ray re-reads it at most once a second; the
-            # controller asks at every turn of its loop while it waits).
-            if self._probed[0] is not reserved_resources:
-                self._probed = (reserved_resources, gone_nodes(reserved_resources))
-            reserved_resources = {n: r for n, r in reserved_resources.items() if n not in self._probed[1]}
+            if self._probed[0] is not reserved_resources:  # once per view: re-read at most once a second
+                gone = gone_nodes(reserved_resources)
+                self._probed = (reserved_resources, gone, spare_nodes(reserved_resources) if gone else {})
+            _, gone, spares = self._probed
+            if gone:
+                kept = {n: r for n, r in reserved_resources.items() if n not in gone}
+                reserved_resources = {**kept, **spares}
         return super()._count_possible_workers(reserved_resources)
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
@@ -219,6 +229,17 @@ def gone_nodes(node_ids: Iterable[str], probe_s: float = RAYLET_PROBE_S) -> set[
     except Exception:  # noqa: BLE001 (the GCS, a name, threads: the controller must not fail on a probe)
         return set()
     return set() if gone >= wanted else gone
+
+
+def spare_nodes(view: dict) -> dict[str, dict]:
+    """The live nodes the GCS lists that `view` (node: resources) does not hold, with their whole
+    resources: what a restart may start workers on besides the view's (a start that finds them
+    taken fails as any start does). Nothing where the GCS cannot be asked."""
+    try:
+        return {n["NodeID"]: dict(n.get("Resources") or {}) for n in ray.nodes()
+                if n.get("Alive") and n.get("NodeID") not in view}
+    except Exception:  # noqa: BLE001 (the controller must not fail on it)
+        return {}
 
 
 def silent_raylets(raylets: dict[str, tuple[str, int]], probe_s: float = RAYLET_PROBE_S) -> set[str]:

@@ -144,6 +144,7 @@ class Coordinator:
         grow decided as soon as the group runs, the node back already)."""
         self.save_requested = False
         self.group_size = num_workers
+        self.said_grow.clear()  # a verdict is said once per group
         # The notice and failed starts that led to this group are its attempt's (start_attempt); a
         # resize the controller begins before that attempt has started is the next one's.
         self.at_start, self.noticed, self.failed_starts = (self.noticed, self.failed_starts), None, 0
@@ -233,8 +234,9 @@ class Coordinator:
         self.said_grow.clear()
         self.last_step, self.world_size, self.saved_step, self.notice_step = None, world_size, None, None
         self.last_progress = None
-        if self.at_start is None:  # no group_running heard (its callback missing): all is this start's
+        if self.at_start is None:  # no group_running heard (its callback missing): all is this start's,
             self.noticed, self.failed_starts = None, 0
+            self.save_requested = False  # and an open request the old group's
         self.at_start = None
         # An open save request is this group's (group_running dropped the old group's): it stays.
         return previous

@@ -206,8 +206,11 @@ def build_trainer(run: PreparedRun, *, callbacks: list | None = None,
     start_coordinator(run.session)
     callbacks = list(callbacks or [])
     if len(set(cfg.worker_range())) > 1:  # elastic
-        callbacks += [PlannedResizeSave(run.session), FreshClusterView()]
-    callbacks += [RecordReservation(run.run_dir.location, run.lease_epoch), NoteRestart(run.session)]
+        callbacks += [NoteRestart(run.session), PlannedResizeSave(run.session), FreshClusterView()]
+    else:
+        callbacks += [NoteRestart(run.session)]
+    # NoteRestart before FreshClusterView: a restart is noticed when it begins, not after the re-read.
+    callbacks += [RecordReservation(run.run_dir.location, run.lease_epoch)]
     # Rank 0 names each checkpoint to Ray Train without upload (raychat.telemetry.sinks.TrainReport). Ray
     # keeps them all (num_to_keep None): with a number, Ray deletes raychat's checkpoint directories;
     # raychat's saver prunes them (--keep-checkpoints).
