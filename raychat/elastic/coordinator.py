@@ -231,14 +231,14 @@ class Coordinator:
         self.attempts += 1
         self.start_step = step
         self.total_steps = total_steps if total_steps is not None else self.total_steps
-        self.said_grow.clear()
         self.last_step, self.world_size, self.saved_step, self.notice_step = None, world_size, None, None
         self.last_progress = None
         if self.at_start is None:  # no group_running heard (its callback missing): all is this start's,
             self.noticed, self.failed_starts = None, 0
-            self.save_requested = False  # and an open request the old group's
+            self.save_requested = False  # an open request the old group's,
+            self.said_grow.clear()  # and the verdicts said the old group's
+        # Else an open save request, and the verdicts said, are this group's (group_running did the above).
         self.at_start = None
-        # An open save request is this group's (group_running dropped the old group's): it stays.
         return previous
 
 
